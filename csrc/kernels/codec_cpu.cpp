@@ -1,0 +1,295 @@
+// CPU codecs: scale-and-cast between float32/float16/bfloat16 and the block-scaled fp8 codec.
+// A portable scalar path defines the semantics (numerics.h); an AVX2+F16C path, chosen at run
+// time, produces the same bits.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "codec.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GS_HAVE_X86 1
+#define GS_AVX2 __attribute__((target("avx2,f16c,fma")))
+#endif
+
+namespace gradsync {
+namespace {
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1 };
+
+bool cpu_has_avx2() {
+#ifdef GS_HAVE_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+std::atomic<int> g_isa{static_cast<int>(cpu_has_avx2() ? Isa::kAvx2 : Isa::kScalar)};
+
+bool use_avx2() { return g_isa.load(std::memory_order_relaxed) == static_cast<int>(Isa::kAvx2); }
+
+inline float load_float(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+inline void store_float(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
+    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_half_bits(v); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v); break;
+  }
+}
+
+void convert_scalar(const void* src, DType st, void* dst, DType dt, int64_t begin, int64_t end, float scale) {
+  for (int64_t i = begin; i < end; ++i) store_float(dst, dt, i, load_float(src, st, i) * scale);
+}
+
+template <Fp8Format F>
+struct Fp8DecodeTable {
+  float value[256];
+  Fp8DecodeTable() {
+    for (int q = 0; q < 256; ++q) value[q] = fp8_to_float<F>(static_cast<uint8_t>(q));
+  }
+};
+
+template <Fp8Format F>
+const float* fp8_table() {
+  static const Fp8DecodeTable<F> table;
+  return table.value;
+}
+
+float absmax_finite_scalar(const float* v, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(v[i]);
+    if (a <= 3.40282347e38f) m = std::max(m, a);  // skips Inf and NaN
+  }
+  return m;
+}
+
+template <Fp8Format F>
+void fp8_codes_scalar(const float* v, int64_t n, float mul, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul);
+}
+
+#ifdef GS_HAVE_X86
+template <DType T>
+GS_AVX2 inline __m256 load8(const void* p, int64_t i) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (T == DType::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Packs the low 16 bits of eight 32-bit lanes (each < 2^16) into eight uint16.
+GS_AVX2 inline __m128i pack_u32_to_u16(__m256i x) {
+  const __m256i packed = _mm256_packus_epi32(x, x);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xd8));
+}
+
+template <DType T>
+GS_AVX2 inline void store8(void* p, int64_t i, __m256 v) {
+  if constexpr (T == DType::kFloat32) {
+    _mm256_storeu_ps(static_cast<float*>(p) + i, v);
+  } else if constexpr (T == DType::kFloat16) {
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+  } else {
+    const __m256i x = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), pack_u32_to_u16(r));
+  }
+}
+
+template <DType S, DType D>
+GS_AVX2 void convert_avx2_t(const void* src, void* dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8<D>(dst, i, _mm256_mul_ps(load8<S>(src, i), s));
+  convert_scalar(src, S, dst, D, i, n, scale);
+}
+
+template <DType S>
+GS_AVX2 void convert_avx2_from(const void* src, void* dst, DType dt, int64_t n, float scale) {
+  switch (dt) {
+    case DType::kFloat32: return convert_avx2_t<S, DType::kFloat32>(src, dst, n, scale);
+    case DType::kFloat16: return convert_avx2_t<S, DType::kFloat16>(src, dst, n, scale);
+    default: return convert_avx2_t<S, DType::kBFloat16>(src, dst, n, scale);
+  }
+}
+
+GS_AVX2 void convert_avx2(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
+  switch (st) {
+    case DType::kFloat32: return convert_avx2_from<DType::kFloat32>(src, dst, dt, n, scale);
+    case DType::kFloat16: return convert_avx2_from<DType::kFloat16>(src, dst, dt, n, scale);
+    default: return convert_avx2_from<DType::kBFloat16>(src, dst, dt, n, scale);
+  }
+}
+
+GS_AVX2 float absmax_finite_avx2(const float* v, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask);
+    m = _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float r = absmax_finite_scalar(v + i, n - i);
+  for (float x : lanes) r = std::max(r, x);
+  return r;
+}
+
+// Eight lanes of float_to_fp8<F> (numerics.h), branch-free.
+template <Fp8Format F>
+GS_AVX2 inline __m256i fp8_codes8(__m256 v) {
+  using T = Fp8Traits<F>;
+  constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(x, 24), _mm256_set1_epi32(0x80));
+  const __m256i abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
+  const __m256i exp_field = _mm256_srli_epi32(abs, 23);
+  const __m256i is_normal = _mm256_cmpgt_epi32(exp_field, _mm256_setzero_si256());
+  const __m256i man = _mm256_or_si256(_mm256_and_si256(abs, _mm256_set1_epi32(0x7fffff)),
+                                      _mm256_and_si256(is_normal, _mm256_set1_epi32(0x800000)));
+  const __m256i exp = _mm256_sub_epi32(_mm256_max_epi32(exp_field, one), _mm256_set1_epi32(127));
+  const __m256i target_exp = _mm256_max_epi32(exp, _mm256_set1_epi32(1 - kBias));
+  __m256i shift = _mm256_add_epi32(_mm256_set1_epi32(23 - T::kManBits), _mm256_sub_epi32(target_exp, exp));
+  shift = _mm256_min_epi32(shift, _mm256_set1_epi32(25));  // >= 25 rounds to zero either way
+  __m256i q = _mm256_srlv_epi32(man, shift);
+  const __m256i rem = _mm256_and_si256(man, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
+  const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
+  const __m256i tie_odd = _mm256_and_si256(_mm256_cmpeq_epi32(rem, half),
+                                           _mm256_cmpeq_epi32(_mm256_and_si256(q, one), one));
+  q = _mm256_sub_epi32(q, _mm256_or_si256(_mm256_cmpgt_epi32(rem, half), tie_odd));  // +1 where rounding up
+  __m256i code = _mm256_add_epi32(
+      _mm256_slli_epi32(_mm256_add_epi32(target_exp, _mm256_set1_epi32(kBias - 1)), T::kManBits), q);
+  code = _mm256_min_epi32(code, _mm256_set1_epi32(T::kMaxCode));
+  const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
+  const __m256i special = _mm256_blendv_epi8(_mm256_set1_epi32(T::kNanCode), _mm256_set1_epi32(T::kInfCode),
+                                             _mm256_cmpeq_epi32(abs, inf_bits));
+  const __m256i non_finite = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f7fffff));
+  code = _mm256_blendv_epi8(code, special, non_finite);
+  return _mm256_or_si256(code, sign);
+}
+
+template <Fp8Format F>
+GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint8_t* out) {
+  const __m256 m = _mm256_set1_ps(mul);
+  const __m256i gather_low_bytes = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i code = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m));
+    const __m256i p16 = _mm256_packus_epi32(code, code);
+    const __m256i p8 = _mm256_packus_epi16(p16, p16);  // bytes 0-3 of each 128-bit lane hold 4 codes
+    const __m256i both = _mm256_permutevar8x32_epi32(p8, gather_low_bytes);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(both));
+  }
+  fp8_codes_scalar<F>(v + i, n - i, mul, out + i);
+}
+#endif  // GS_HAVE_X86
+
+template <Fp8Format F>
+void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1) {
+  float* scales = reinterpret_cast<float*>(payload + fp8_scales_offset(n));
+  alignas(32) float block[kFp8BlockSize];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * kFp8BlockSize;
+    const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    const void* block_src = static_cast<const char*>(src) + start * dtype_size(st);
+    convert_cpu(block_src, st, block, DType::kFloat32, len, scale);
+#ifdef GS_HAVE_X86
+    if (use_avx2()) {
+      const int k = fp8_block_exponent<F>(absmax_finite_avx2(block, len));
+      fp8_codes_avx2<F>(block, len, pow2(k), payload + start);
+      const float decode_scale = pow2(-k);
+      std::memcpy(scales + b, &decode_scale, 4);
+      continue;
+    }
+#endif
+    const int k = fp8_block_exponent<F>(absmax_finite_scalar(block, len));
+    fp8_codes_scalar<F>(block, len, pow2(k), payload + start);
+    const float decode_scale = pow2(-k);
+    std::memcpy(scales + b, &decode_scale, 4);
+  }
+  if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
+}
+
+template <Fp8Format F>
+void fp8_decode_blocks(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1) {
+  const float* table = fp8_table<F>();
+  const uint8_t* scale_bytes = payload + fp8_scales_offset(n);
+  alignas(32) float block[kFp8BlockSize];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * kFp8BlockSize;
+    const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    float decode_scale;
+    std::memcpy(&decode_scale, scale_bytes + 4 * b, 4);
+    for (int64_t i = 0; i < len; ++i) block[i] = (table[payload[start + i]] * decode_scale) * scale;
+    convert_cpu(block, DType::kFloat32, static_cast<char*>(dst) + start * dtype_size(dt), dt, len, 1.0f);
+  }
+}
+
+}  // namespace
+
+void convert_cpu(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
+#ifdef GS_HAVE_X86
+  if (use_avx2()) return convert_avx2(src, st, dst, dt, n, scale);
+#endif
+  convert_scalar(src, st, dst, dt, 0, n, scale);
+}
+
+void fp8_encode_cpu(Fp8Format format, const void* src, DType src_dtype, int64_t n, float scale, uint8_t* payload,
+                    int64_t block_begin, int64_t block_end) {
+  if (format == Fp8Format::kE4M3) {
+    fp8_encode_blocks<Fp8Format::kE4M3>(src, src_dtype, n, scale, payload, block_begin, block_end);
+  } else {
+    fp8_encode_blocks<Fp8Format::kE5M2>(src, src_dtype, n, scale, payload, block_begin, block_end);
+  }
+}
+
+void fp8_decode_cpu(Fp8Format format, const uint8_t* payload, int64_t n, float scale, void* dst, DType dst_dtype,
+                    int64_t block_begin, int64_t block_end) {
+  if (format == Fp8Format::kE4M3) {
+    fp8_decode_blocks<Fp8Format::kE4M3>(payload, n, scale, dst, dst_dtype, block_begin, block_end);
+  } else {
+    fp8_decode_blocks<Fp8Format::kE5M2>(payload, n, scale, dst, dst_dtype, block_begin, block_end);
+  }
+}
+
+bool set_cpu_isa(const char* name) {
+  Isa isa;
+  if (std::strcmp(name, "auto") == 0) {
+    isa = cpu_has_avx2() ? Isa::kAvx2 : Isa::kScalar;
+  } else if (std::strcmp(name, "avx2") == 0) {
+    if (!cpu_has_avx2()) return false;
+    isa = Isa::kAvx2;
+  } else if (std::strcmp(name, "scalar") == 0) {
+    isa = Isa::kScalar;
+  } else {
+    return false;
+  }
+  g_isa.store(static_cast<int>(isa));
+  return true;
+}
+
+const char* cpu_isa() { return use_avx2() ? "avx2" : "scalar"; }
+
+}  // namespace gradsync

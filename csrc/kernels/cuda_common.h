@@ -1,0 +1,40 @@
+// Helpers shared by the CUDA kernels: element access in any DType and launch sizes.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "numerics.h"
+
+namespace gradsync {
+
+template <DType T>
+__device__ __forceinline__ float load_one(const void* p, int64_t i) {
+  if constexpr (T == DType::kFloat32) return static_cast<const float*>(p)[i];
+  else if constexpr (T == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
+  else return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+}
+
+template <DType T>
+__device__ __forceinline__ void store_one(void* p, int64_t i, float v) {
+  if constexpr (T == DType::kFloat32) static_cast<float*>(p)[i] = v;
+  else if constexpr (T == DType::kFloat16) static_cast<__half*>(p)[i] = __float2half_rn(v);
+  else static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+}
+
+// Enough blocks of `threads` threads to fill every SM of the current device a few times over;
+// grid-stride loops cover the rest.
+inline int64_t max_resident_blocks(int threads) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // do not leave the failure for the next launch check
+    sms = 132;
+  }
+  return static_cast<int64_t>(sms) * (2048 / threads) * 2;
+}
+
+}  // namespace gradsync

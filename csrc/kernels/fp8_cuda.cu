@@ -1,0 +1,100 @@
+// Block-scaled fp8 codec on CUDA: one warp per block of kFp8BlockSize elements. Same semantics
+// and bits as fp8_encode_cpu / fp8_decode_cpu (codec.h, numerics.h).
+#include <algorithm>
+
+#include "codec.h"
+#include "cuda_common.h"
+
+namespace gradsync {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPerLane = kFp8BlockSize / 32;
+
+template <Fp8Format F, DType S>
+__global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, int64_t n, float scale,
+                                                              uint8_t* payload) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t num_blocks = fp8_num_blocks(n);
+  float* scales = reinterpret_cast<float*>(payload + fp8_scales_offset(n));
+  for (int64_t b = warp; b < num_blocks; b += num_warps) {
+    float v[kPerLane];
+    float absmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      v[j] = i < n ? load_one<S>(src, i) * scale : 0.0f;
+      const float a = fabsf(v[j]);
+      if (a <= 3.40282347e38f) absmax = fmaxf(absmax, a);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+    const int k = fp8_block_exponent<F>(absmax);
+    const float mul = pow2(k);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      if (i < n) payload[i] = float_to_fp8<F>(v[j] * mul);
+    }
+    if (lane == 0) scales[b] = pow2(-k);
+  }
+  const int64_t pad = fp8_scales_offset(n) - n;
+  if (blockIdx.x == 0 && threadIdx.x < pad) payload[n + threadIdx.x] = 0;
+}
+
+template <Fp8Format F, DType D>
+__global__ void __launch_bounds__(kThreads) fp8_decode_kernel(const uint8_t* payload, int64_t n, float scale,
+                                                              void* dst) {
+  const float* scales = reinterpret_cast<const float*>(payload + fp8_scales_offset(n));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    store_one<D>(dst, i, (fp8_to_float<F>(payload[i]) * scales[i / kFp8BlockSize]) * scale);
+  }
+}
+
+unsigned grid_for(int64_t work_items, int items_per_block) {
+  const int64_t blocks = (work_items + items_per_block - 1) / items_per_block;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, max_resident_blocks(kThreads))));
+}
+
+template <Fp8Format F>
+cudaError_t encode(const void* src, DType st, int64_t n, float scale, uint8_t* payload, cudaStream_t stream) {
+  const unsigned grid = grid_for(fp8_num_blocks(n), kThreads / 32);
+  switch (st) {
+    case DType::kFloat32: fp8_encode_kernel<F, DType::kFloat32><<<grid, kThreads, 0, stream>>>(src, n, scale, payload); break;
+    case DType::kFloat16: fp8_encode_kernel<F, DType::kFloat16><<<grid, kThreads, 0, stream>>>(src, n, scale, payload); break;
+    default: fp8_encode_kernel<F, DType::kBFloat16><<<grid, kThreads, 0, stream>>>(src, n, scale, payload); break;
+  }
+  return cudaGetLastError();
+}
+
+template <Fp8Format F>
+cudaError_t decode(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, cudaStream_t stream) {
+  const unsigned grid = grid_for(n, kThreads);
+  switch (dt) {
+    case DType::kFloat32: fp8_decode_kernel<F, DType::kFloat32><<<grid, kThreads, 0, stream>>>(payload, n, scale, dst); break;
+    case DType::kFloat16: fp8_decode_kernel<F, DType::kFloat16><<<grid, kThreads, 0, stream>>>(payload, n, scale, dst); break;
+    default: fp8_decode_kernel<F, DType::kBFloat16><<<grid, kThreads, 0, stream>>>(payload, n, scale, dst); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t fp8_encode_cuda(Fp8Format format, const void* src, DType src_dtype, int64_t n, float scale,
+                            uint8_t* payload, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return format == Fp8Format::kE4M3 ? encode<Fp8Format::kE4M3>(src, src_dtype, n, scale, payload, stream)
+                                    : encode<Fp8Format::kE5M2>(src, src_dtype, n, scale, payload, stream);
+}
+
+cudaError_t fp8_decode_cuda(Fp8Format format, const uint8_t* payload, int64_t n, float scale, void* dst,
+                            DType dst_dtype, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return format == Fp8Format::kE4M3 ? decode<Fp8Format::kE4M3>(payload, n, scale, dst, dst_dtype, stream)
+                                    : decode<Fp8Format::kE5M2>(payload, n, scale, dst, dst_dtype, stream);
+}
+
+}  // namespace gradsync

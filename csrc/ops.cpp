@@ -1,0 +1,237 @@
+// Python bindings of the kernels: tensors in, raw pointers and device streams out. Argument
+// checking with user-facing messages lives in gradsync/ops.py; the checks here only guard the
+// kernels against misuse of the private module.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/multi_tensor.h"
+
+#ifdef GRADSYNC_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <nccl.h>
+#endif
+
+namespace gradsync {
+namespace {
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "gradsync kernels take float32, float16 or bfloat16 tensors, got ", t);
+  }
+}
+
+bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Describes `t` as a Segment; false if its layout has more than kMaxDims non-mergeable dimensions.
+bool describe(const at::Tensor& t, Segment& s) {
+  std::memset(&s, 0, sizeof(s));
+  s.data = t.data_ptr();
+  s.numel = t.numel();
+  s.dtype = to_dtype(t.scalar_type());
+  if (t.is_contiguous() || s.numel <= 1) return true;
+  std::vector<int64_t> sizes, strides;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!sizes.empty() && strides.back() == t.stride(d) * t.size(d)) {
+      sizes.back() *= t.size(d);
+      strides.back() = t.stride(d);
+    } else {
+      sizes.push_back(t.size(d));
+      strides.push_back(t.stride(d));
+    }
+  }
+  if (sizes.size() > static_cast<size_t>(kMaxDims)) return false;
+  s.ndim = static_cast<int32_t>(sizes.size());
+  for (int d = 0; d < s.ndim; ++d) {
+    s.sizes[d] = sizes[d];
+    s.strides[d] = strides[d];
+  }
+  return true;
+}
+
+void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
+  TORCH_CHECK(t.device() == flat.device(), "gradsync: tensors must be on the flat buffer's device ", flat.device(),
+              ", got ", t.device());
+}
+
+void multi_tensor_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale_d,
+                       Direction direction) {
+  TORCH_CHECK(flat.is_contiguous(), "gradsync: the flat buffer must be contiguous");
+  const DType flat_dtype = to_dtype(flat.scalar_type());
+  const int fsize = dtype_size(flat_dtype);
+  const float scale = static_cast<float>(scale_d);
+  std::vector<Segment> segments(tensors.size());
+  std::vector<at::Tensor> keep_alive;                             // contiguous copies of exotic layouts
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (user tensor, contiguous stand-in)
+  int64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    check_same_device(flat, t);
+    Segment& s = segments[i];
+    if (!describe(t, s)) {
+      at::Tensor stand_in = t.contiguous();
+      if (direction == Direction::kFromFlat) write_back.emplace_back(t, stand_in);
+      else keep_alive.push_back(stand_in);
+      describe(stand_in, s);
+    }
+    s.flat_offset = offset;
+    char* flat_at = static_cast<char*>(flat.data_ptr()) + offset * fsize;
+    s.aligned = s.ndim == 0 && is_aligned16(s.data) && is_aligned16(flat_at);
+    offset += s.numel;
+  }
+  TORCH_CHECK(offset <= flat.numel(), "gradsync: the flat buffer holds ", flat.numel(), " elements, the tensors ",
+              offset);
+  if (flat.is_cuda()) {
+#ifdef GRADSYNC_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(flat.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
+    const int64_t num_chunks = plan_chunks(segments.data(), static_cast<int64_t>(segments.size()), kCudaChunk);
+    if (num_chunks > 0) {
+      const int64_t table_bytes = static_cast<int64_t>(segments.size() * sizeof(Segment));
+      at::Tensor table = at::empty({table_bytes}, flat.options().dtype(at::kByte));
+      // A pageable source is staged before cudaMemcpyAsync returns, so `segments` may die after it.
+      C10_CUDA_CHECK(cudaMemcpyAsync(table.data_ptr(), segments.data(), table_bytes, cudaMemcpyHostToDevice, stream));
+      C10_CUDA_CHECK(multi_tensor_copy_cuda(reinterpret_cast<const Segment*>(table.data_ptr()),
+                                            static_cast<int64_t>(segments.size()), num_chunks, flat.data_ptr(),
+                                            flat_dtype, scale, direction, stream));
+    }
+#else
+    TORCH_CHECK(false, "gradsync was built without CUDA");
+#endif
+  } else {
+    const int64_t num_chunks = plan_chunks(segments.data(), static_cast<int64_t>(segments.size()), kCpuChunk);
+    at::parallel_for(0, num_chunks, 2, [&](int64_t begin, int64_t end) {
+      multi_tensor_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()), flat.data_ptr(), flat_dtype,
+                            scale, direction, begin, end);
+    });
+  }
+  for (auto& [user, stand_in] : write_back) user.copy_(stand_in);
+}
+
+void flatten_into(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale) {
+  multi_tensor_copy(flat, tensors, scale, Direction::kToFlat);
+}
+
+void unflatten_from(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale) {
+  for (const at::Tensor& t : tensors) {
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "gradsync: cannot write into an expanded tensor");
+    }
+  }
+  multi_tensor_copy(flat, tensors, scale, Direction::kFromFlat);
+}
+
+Fp8Format to_fp8_format(int64_t codec) {
+  TORCH_CHECK(codec == static_cast<int64_t>(Codec::kFp8E4M3) || codec == static_cast<int64_t>(Codec::kFp8E5M2),
+              "gradsync: not an fp8 codec id: ", codec);
+  return codec == static_cast<int64_t>(Codec::kFp8E4M3) ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+}
+
+void check_payload(const at::Tensor& payload, int64_t n, const at::Tensor& x) {
+  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() && payload.numel() == fp8_payload_bytes(n),
+              "gradsync: an fp8 payload of ", n, " elements is ", fp8_payload_bytes(n), " contiguous bytes");
+  TORCH_CHECK(x.is_contiguous() && x.numel() == n, "gradsync: expected a contiguous tensor of ", n, " elements");
+  check_same_device(payload, x);
+}
+
+void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, double scale_d) {
+  const Fp8Format format = to_fp8_format(codec);
+  const int64_t n = x.numel();
+  check_payload(payload, n, x);
+  const float scale = static_cast<float>(scale_d);
+  auto* out = static_cast<uint8_t*>(payload.data_ptr());
+  if (x.is_cuda()) {
+#ifdef GRADSYNC_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    C10_CUDA_CHECK(fp8_encode_cuda(format, x.data_ptr(), to_dtype(x.scalar_type()), n, scale, out,
+                                   c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+#else
+    TORCH_CHECK(false, "gradsync was built without CUDA");
+#endif
+    return;
+  }
+  const int64_t blocks = fp8_num_blocks(n);
+  const DType st = to_dtype(x.scalar_type());
+  at::parallel_for(0, blocks, kCpuChunk / kFp8BlockSize, [&](int64_t begin, int64_t end) {
+    fp8_encode_cpu(format, x.data_ptr(), st, n, scale, out, begin, end);
+  });
+}
+
+void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec, double scale_d) {
+  const Fp8Format format = to_fp8_format(codec);
+  const int64_t n = out.numel();
+  check_payload(payload, n, out);
+  const float scale = static_cast<float>(scale_d);
+  const auto* in = static_cast<const uint8_t*>(payload.data_ptr());
+  if (out.is_cuda()) {
+#ifdef GRADSYNC_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(out.device());
+    C10_CUDA_CHECK(fp8_decode_cuda(format, in, n, scale, out.data_ptr(), to_dtype(out.scalar_type()),
+                                   c10::cuda::getCurrentCUDAStream(out.device().index()).stream()));
+#else
+    TORCH_CHECK(false, "gradsync was built without CUDA");
+#endif
+    return;
+  }
+  const int64_t blocks = fp8_num_blocks(n);
+  const DType dt = to_dtype(out.scalar_type());
+  at::parallel_for(0, blocks, kCpuChunk / kFp8BlockSize, [&](int64_t begin, int64_t end) {
+    fp8_decode_cpu(format, in, n, scale, out.data_ptr(), dt, begin, end);
+  });
+}
+
+void set_isa(const std::string& name) {
+  TORCH_CHECK(set_cpu_isa(name.c_str()), "gradsync: CPU instruction set '", name,
+              "' is unknown or not supported by this CPU (choose auto, avx2 or scalar)");
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["torch"] = TORCH_VERSION;
+  info["fp8_block_size"] = kFp8BlockSize;
+  info["payload_align"] = kPayloadAlign;
+#ifdef GRADSYNC_WITH_CUDA
+  info["cuda"] = py::str(std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10));
+  info["nccl_compiled"] = py::str(std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                                  std::to_string(NCCL_PATCH));
+#else
+  info["cuda"] = py::none();
+  info["nccl_compiled"] = py::none();
+#endif
+  return info;
+}
+
+py::object nccl_runtime_version() {
+#ifdef GRADSYNC_WITH_CUDA
+  int v = 0;
+  const ncclResult_t r = ncclGetVersion(&v);
+  TORCH_CHECK(r == ncclSuccess, "gradsync: ncclGetVersion failed: ", ncclGetErrorString(r));
+  return py::str(std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100));
+#else
+  return py::none();
+#endif
+}
+
+}  // namespace
+}  // namespace gradsync
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace gradsync;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("flatten_into", &flatten_into, "Scale, cast and copy tensors into a flat buffer", nogil);
+  m.def("unflatten_from", &unflatten_from, "Scale, cast and copy a flat buffer into tensors", nogil);
+  m.def("fp8_encode", &fp8_encode, "Block-scaled fp8 encode", nogil);
+  m.def("fp8_decode", &fp8_decode, "Block-scaled fp8 decode", nogil);
+  m.def("set_cpu_isa", &set_isa, "Select the CPU kernels' instruction set: auto, avx2 or scalar");
+  m.def("cpu_isa", []() { return std::string(cpu_isa()); });
+  m.def("build_info", &build_info);
+  m.def("nccl_runtime_version", &nccl_runtime_version);
+}

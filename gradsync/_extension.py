@@ -1,0 +1,39 @@
+"""Loads the compiled module gradsync._C after checking that it was built for the running torch.
+
+A C++ extension is bound to the torch it was compiled against; under another torch it fails with an
+undefined-symbol trace, so the mismatch is reported in terms a user can act on instead.
+"""
+import importlib
+
+import torch
+
+REBUILD_HINT = "reinstall gradsync against the running torch: pip install --no-build-isolation --force-reinstall ."
+
+
+def _minor(version):
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def incompatibility(built_torch, built_cuda, running_torch, running_cuda):
+    """Why an extension built for (built_torch, built_cuda) cannot load under the running torch, or None."""
+    if _minor(built_torch) != _minor(running_torch):
+        return f"it was built for torch {built_torch} but torch {running_torch} is installed"
+    if built_cuda is not None and running_cuda is None:
+        return f"it was built for the CUDA {built_cuda} build of torch {built_torch} but torch {running_torch} is a CPU build"
+    return None
+
+
+def load():
+    try:
+        build_info = importlib.import_module("gradsync._build_info")
+    except ImportError:
+        raise ImportError("gradsync is not built: install it with pip install --no-build-isolation . "
+                          "(or import it from outside its source folder)") from None
+    reason = incompatibility(build_info.torch_version, build_info.cuda_version, torch.__version__, torch.version.cuda)
+    if reason:
+        raise ImportError(f"gradsync {build_info.version} cannot be loaded: {reason}; {REBUILD_HINT}")
+    try:
+        return build_info, importlib.import_module("gradsync._C")
+    except ImportError as e:
+        raise ImportError(f"gradsync {build_info.version} (built for torch {build_info.torch_version}) failed to "
+                          f"load under torch {torch.__version__}: {e}; {REBUILD_HINT}") from e

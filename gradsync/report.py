@@ -1,0 +1,39 @@
+"""python -m gradsync.report: what this gradsync was built with and what it runs on."""
+import platform
+
+import torch
+
+import gradsync
+from gradsync import _build_info, _C
+
+
+def gpus():
+    if not torch.cuda.is_available():
+        return ["none visible"]
+    rows = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        rows.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
+    return rows
+
+
+def report():
+    info = _C.build_info()
+    cuda = info["cuda"]
+    rows = [
+        ("gradsync", gradsync.__version__),
+        ("build flavour", _build_info.flavour),
+        ("CUDA compiled for", f"{cuda} (arch list {_build_info.cuda_arch_list})" if cuda else "none (CPU build)"),
+        ("NCCL linked", f"{_C.nccl_runtime_version()} (headers {info['nccl_compiled']})" if cuda else "none (CPU build)"),
+        ("torch built against", _build_info.torch_version),
+        ("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__),
+        ("CPU kernels", f"{_C.cpu_isa()} on {platform.machine()}, {torch.get_num_threads()} threads"),
+        ("fp8 block size", str(info["fp8_block_size"])),
+    ]
+    rows += [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":
+    print(report())

@@ -1,0 +1,150 @@
+"""Builds gradsync._C against the torch already installed (pip install --no-build-isolation .).
+
+Flavour: CUDA when torch is a CUDA build and a CUDA toolkit is found, CPU otherwise;
+GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14.
+"""
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+BASE_VERSION = "0.1.0"
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
+
+
+def fail(message):
+    sys.exit(f"gradsync build error: {message}")
+
+
+try:
+    import torch
+except ImportError:
+    fail("torch must be installed before gradsync, which builds against it: "
+         "pip install torch, then pip install --no-build-isolation .")
+
+
+def read_sources():
+    sources = {"core": [], "cuda": [], "bindings": []}
+    for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            kind, path = line.split()
+            sources[kind].append(path)
+    return sources
+
+
+def is_toolkit(home):
+    return home is not None and (Path(home) / "bin" / "nvcc").exists() and \
+        (Path(home) / "include" / "cuda_runtime.h").exists()
+
+
+def find_cuda_home():
+    """The CUDA toolkit root. torch guesses it from the folder of `nvcc`, which is wrong when nvcc
+    is a wrapper script outside the toolkit, so look for a folder that really holds one."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var] if is_toolkit(os.environ[var]) else None
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    candidates += sorted(Path("/usr/local").glob("cuda-*"), reverse=True)
+    return next((str(c) for c in candidates if is_toolkit(c)), None)
+
+
+def want_cuda(cuda_home):
+    forced = os.environ.get("GRADSYNC_CUDA", "")
+    if forced not in ("", "0", "1"):
+        fail(f"GRADSYNC_CUDA must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    if forced == "1":
+        if torch.version.cuda is None:
+            fail(f"GRADSYNC_CUDA=1 but the installed torch {torch.__version__} is a CPU build")
+        if cuda_home is None:
+            fail("GRADSYNC_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME to the folder that holds "
+                 "bin/nvcc and include/cuda_runtime.h")
+        return True
+    return torch.version.cuda is not None and cuda_home is not None
+
+
+def find_nccl():
+    """(include dir, lib dir) of the NCCL that torch itself loads: the nvidia-nccl wheel torch depends
+    on, else NCCL_HOME, else a system NCCL."""
+    roots = []
+    if os.environ.get("NCCL_HOME"):
+        roots.append(Path(os.environ["NCCL_HOME"]))
+    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
+    roots += [Path("/usr"), Path("/usr/local")]
+    for root in roots:
+        include = root / "include"
+        for lib in (root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"):
+            if (include / "nccl.h").exists() and (lib / "libnccl.so.2").exists():
+                return str(include), str(lib)
+    fail("NCCL not found: install the nvidia-nccl package that torch uses (e.g. pip install nvidia-nccl-cu13) "
+         "or set NCCL_HOME to a folder with include/nccl.h and lib/libnccl.so.2")
+
+
+def torch_tag():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch{major}.{minor}", f"{major}.{minor}"
+
+
+def write_build_info(version, flavour, arch_list):
+    text = (
+        "# Written by setup.py at build time.\n"
+        f"version = {version!r}\n"
+        f"flavour = {flavour!r}\n"
+        f"torch_version = {torch.__version__!r}\n"
+        f"cuda_version = {torch.version.cuda if flavour != 'cpu' else None!r}\n"
+        f"cuda_arch_list = {arch_list!r}\n"
+    )
+    (ROOT / "gradsync" / "_build_info.py").write_text(text)
+
+
+def main():
+    cuda_home = find_cuda_home()
+    with_cuda = want_cuda(cuda_home)
+    if with_cuda:
+        os.environ["CUDA_HOME"] = cuda_home  # must be set before cpp_extension is imported
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    sources = read_sources()
+    tag, torch_minor = torch_tag()
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    include_dirs = [str(ROOT / "csrc")]
+    if with_cuda:
+        flavour = "cu" + torch.version.cuda.replace(".", "")
+        nccl_include, nccl_lib = find_nccl()
+        arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
+        ext = CUDAExtension(
+            "gradsync._C",
+            sources=sources["core"] + sources["cuda"] + sources["bindings"],
+            include_dirs=include_dirs + [nccl_include],
+            define_macros=[("GRADSYNC_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+            extra_link_args=[f"-L{nccl_lib}", "-l:libnccl.so.2",
+                             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"],
+        )
+    else:
+        flavour, arch_list = "cpu", None
+        ext = CppExtension("gradsync._C", sources=sources["core"] + sources["bindings"],
+                           include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+    version = f"{BASE_VERSION}+{flavour}{tag}"
+    write_build_info(version, flavour, arch_list)
+    setup(
+        name="gradsync",
+        version=version,
+        packages=find_packages(include=["gradsync", "gradsync.*"]),
+        ext_modules=[ext],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        install_requires=[f"torch=={torch_minor}.*"],
+    )
+
+
+main()
