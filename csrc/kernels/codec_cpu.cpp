@@ -75,8 +75,8 @@ float absmax_finite_scalar(const float* v, int64_t n) {
 }
 
 template <Fp8Format F>
-void fp8_codes_scalar(const float* v, int64_t n, float mul, uint8_t* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul);
+void fp8_codes_scalar(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul, max_code);
 }
 
 #ifdef GS_HAVE_X86
@@ -158,7 +158,7 @@ GS_AVX2 float absmax_finite_avx2(const float* v, int64_t n) {
 
 // Eight lanes of float_to_fp8<F> (numerics.h), branch-free.
 template <Fp8Format F>
-GS_AVX2 inline __m256i fp8_codes8(__m256 v) {
+GS_AVX2 inline __m256i fp8_codes8(__m256 v, __m256i max_code) {
   using T = Fp8Traits<F>;
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
   const __m256i one = _mm256_set1_epi32(1);
@@ -181,7 +181,7 @@ GS_AVX2 inline __m256i fp8_codes8(__m256 v) {
   q = _mm256_sub_epi32(q, _mm256_or_si256(_mm256_cmpgt_epi32(rem, half), tie_odd));  // +1 where rounding up
   __m256i code = _mm256_add_epi32(
       _mm256_slli_epi32(_mm256_add_epi32(target_exp, _mm256_set1_epi32(kBias - 1)), T::kManBits), q);
-  code = _mm256_min_epi32(code, _mm256_set1_epi32(T::kMaxCode));
+  code = _mm256_min_epi32(code, max_code);
   const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
   const __m256i special = _mm256_blendv_epi8(_mm256_set1_epi32(T::kNanCode), _mm256_set1_epi32(T::kInfCode),
                                              _mm256_cmpeq_epi32(abs, inf_bits));
@@ -191,18 +191,19 @@ GS_AVX2 inline __m256i fp8_codes8(__m256 v) {
 }
 
 template <Fp8Format F>
-GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint8_t* out) {
+GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
   const __m256 m = _mm256_set1_ps(mul);
+  const __m256i max_code8 = _mm256_set1_epi32(static_cast<int>(max_code));
   const __m256i gather_low_bytes = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i code = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m));
+    const __m256i code = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_code8);
     const __m256i p16 = _mm256_packus_epi32(code, code);
     const __m256i p8 = _mm256_packus_epi16(p16, p16);  // bytes 0-3 of each 128-bit lane hold 4 codes
     const __m256i both = _mm256_permutevar8x32_epi32(p8, gather_low_bytes);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(both));
   }
-  fp8_codes_scalar<F>(v + i, n - i, mul, out + i);
+  fp8_codes_scalar<F>(v + i, n - i, mul, max_code, out + i);
 }
 #endif  // GS_HAVE_X86
 
@@ -218,14 +219,14 @@ void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_
 #ifdef GS_HAVE_X86
     if (use_avx2()) {
       const int k = fp8_block_exponent<F>(absmax_finite_avx2(block, len));
-      fp8_codes_avx2<F>(block, len, pow2(k), payload + start);
+      fp8_codes_avx2<F>(block, len, pow2(k), fp8_block_max_code<F>(k), payload + start);
       const float decode_scale = pow2(-k);
       std::memcpy(scales + b, &decode_scale, 4);
       continue;
     }
 #endif
     const int k = fp8_block_exponent<F>(absmax_finite_scalar(block, len));
-    fp8_codes_scalar<F>(block, len, pow2(k), payload + start);
+    fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), payload + start);
     const float decode_scale = pow2(-k);
     std::memcpy(scales + b, &decode_scale, 4);
   }

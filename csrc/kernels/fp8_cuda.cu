@@ -33,10 +33,11 @@ __global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, i
     for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
     const int k = fp8_block_exponent<F>(absmax);
     const float mul = pow2(k);
+    const uint32_t max_code = fp8_block_max_code<F>(k);
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t i = b * kFp8BlockSize + j * 32 + lane;
-      if (i < n) payload[i] = float_to_fp8<F>(v[j] * mul);
+      if (i < n) payload[i] = float_to_fp8<F>(v[j] * mul, max_code);
     }
     if (lane == 0) scales[b] = pow2(-k);
   }

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "cuda_common.h"
 #include "multi_tensor.h"
 
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const Segme
 template <DType F>
 cudaError_t launch(const Segment* segments, int64_t num_segments, int64_t num_chunks, void* flat, float scale,
                    Direction direction, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>(min<int64_t>(num_chunks, max_resident_blocks(kThreads)));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(num_chunks, max_resident_blocks(kThreads)));
   if (direction == Direction::kToFlat) {
     multi_tensor_copy_kernel<F, Direction::kToFlat>
         <<<grid, kThreads, 0, stream>>>(segments, num_segments, num_chunks, flat, scale);

@@ -133,15 +133,16 @@ struct Fp8Traits<Fp8Format::kE5M2> {
   static constexpr int kMaxFrexpExp = 16;  // 57344 = 0.875 * 2^16
 };
 
+// `max_code` lowers the saturation point (see fp8_block_max_code).
 template <Fp8Format F>
-GS_HD uint8_t float_to_fp8(float f) {
+GS_HD uint8_t float_to_fp8(float f, uint32_t max_code = Fp8Traits<F>::kMaxCode) {
   using T = Fp8Traits<F>;
   const uint32_t x = float_bits(f);
   const uint32_t sign = (x >> 24) & 0x80u;
   const uint32_t abs = x & 0x7fffffffu;
   if (!is_finite_bits(abs)) return static_cast<uint8_t>(sign | (abs == 0x7f800000u ? T::kInfCode : T::kNanCode));
   uint32_t code = round_to_minifloat<T::kExpBits, T::kManBits>(abs);
-  if (code > T::kMaxCode) code = T::kMaxCode;
+  if (code > max_code) code = max_code;
   return static_cast<uint8_t>(sign | code);
 }
 
@@ -168,6 +169,19 @@ GS_HD int fp8_block_exponent(float absmax) {
   const bool fits = (bits & 0x7fffffu) <= 0x600000u;         // m <= 0.875
   int k = Fp8Traits<F>::kMaxFrexpExp - (fits ? 0 : 1) - frexp_exp;
   return k < -126 ? -126 : (k > 126 ? 126 : k);
+}
+
+// The largest code whose value times the decode scale 2^-k is still a finite float. It is the
+// format's largest code except when the block's absmax lies within a few binades of FLT_MAX, where
+// rounding up would otherwise decode to infinity.
+template <Fp8Format F>
+GS_HD uint32_t fp8_block_max_code(int k) {
+  using T = Fp8Traits<F>;
+  const float limit = 3.40282347e38f * pow2(k);  // exact: k >= -126
+  if (limit >= T::kMax) return T::kMaxCode;
+  uint32_t code = round_to_minifloat<T::kExpBits, T::kManBits>(float_bits(limit));
+  if (minifloat_to_float<T::kExpBits, T::kManBits>(code) > limit) --code;
+  return code;
 }
 
 }  // namespace gradsync
