@@ -1,0 +1,148 @@
+"""Kernel benchmark: gradsync's fused flatten+scale+cast and codecs vs torch's op sequences.
+
+    python benchmarks/bench_kernels.py [--device cuda] [--max-mb 256] [--json out.json] [--plot out.png]
+
+Cases: the parameter sets of GPT-2 124M (148 tensors) and ResNet-50 (161 tensors), and single
+buffers of 4 MB and up. GB/s counts the bytes the fused op must read and write (fp32 in, 16-bit
+out: 6 bytes per element), for every op of a case, so GB/s ratios are time ratios; %copy compares
+with a device-to-device copy of the same fp32 buffer measured in the same run.
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import shapes  # noqa: E402
+
+import gradsync  # noqa: E402
+
+WORLD = 8  # the divisor of the simulated pre-division (1 / world size)
+
+
+def make_tensors(shape_list, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device) for s in shape_list]
+
+
+def copy_gbps(numel, device):
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = common.time_op(lambda: dst.copy_(src), device)
+    return 8 * numel / ms / 1e6
+
+
+def cupy_flatten(tensors):
+    """A cupy ElementwiseKernel per tensor writing into one flat fp16 buffer (None without cupy)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    kernel = cupy.ElementwiseKernel("float32 x, float32 s", "float16 y", "y = (float16)(x * s)", "scale_cast")
+
+    def run():
+        out = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
+        flat = cupy.from_dlpack(out)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            kernel(cupy.from_dlpack(t.reshape(-1)), cupy.float32(1.0 / WORLD), flat[offset:offset + n])
+            offset += n
+        return out
+    return run
+
+
+def bench_case(name, tensors, device, copy_rate):
+    n = sum(t.numel() for t in tensors)
+    rows = []
+    fused_bytes = 6 * n
+
+    def add(op, fn, bytes_moved, baseline_ms=None, error=0.0):
+        ms = common.time_op(fn, device)
+        gbps = bytes_moved / ms / 1e6
+        rows.append(common.Row(name, op, n, len(tensors), bytes_moved, ms, gbps, 100 * gbps / copy_rate,
+                               baseline_ms / ms if baseline_ms else 0.0, error))
+        return ms
+
+    # the reference for the error column: fp64 flatten + divide
+    ref = torch.cat([t.double().flatten() for t in tensors]) / WORLD
+
+    def rel_err(y):
+        return float(((y.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max())
+
+    torch_ms = add("torch flatten+div+half", lambda: _flatten_dense_tensors(tensors).div_(WORLD).half(), fused_bytes)
+    out = torch.empty(n, dtype=torch.float16, device=device)
+    fused = lambda: gradsync.flatten(tensors, dtype=torch.float16, scale=1.0 / WORLD, out=out)  # noqa: E731
+    add("gradsync flatten(fp16)", fused, fused_bytes, torch_ms, rel_err(fused()))
+    cupy_run = cupy_flatten(tensors) if device.type == "cuda" else None
+    if cupy_run is not None:
+        add("cupy elementwise(fp16)", cupy_run, fused_bytes, torch_ms, rel_err(cupy_run()))
+
+    # unflatten: fp16 flat -> fp32 tensors, times world (6 bytes per element)
+    targets = [torch.empty_like(t) for t in tensors]
+
+    def torch_unflatten():
+        full = out.float().mul_(WORLD)
+        offset = 0
+        for t in targets:
+            t.copy_(full[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    torch_un_ms = add("torch float+mul+copy back", torch_unflatten, fused_bytes)
+    add("gradsync unflatten(fp16)", lambda: gradsync.unflatten(out, targets, scale=float(WORLD)), fused_bytes,
+        torch_un_ms)
+
+    # codecs on the flat fp32 gradient buffer
+    flat32 = torch.cat([t.flatten() for t in tensors])
+    for codec in ("fp16", "fp8_e4m3"):
+        wire = gradsync.payload_nbytes(codec, n)
+        payload = gradsync.compress(flat32, codec)
+        decoded = gradsync.decompress(payload, codec, n, dtype=torch.float32)
+        err = float(((decoded.double() - flat32.double()).norm() / flat32.double().norm()))
+        add(f"gradsync compress({codec})", lambda c=codec: gradsync.compress(flat32, c), 4 * n + wire, error=err)
+        add(f"gradsync decompress({codec})",
+            lambda c=codec, p=payload: gradsync.decompress(p, c, n, out=decoded), 4 * n + wire)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-mb", type=int, default=None,
+                        help="largest single buffer in MB of fp32 (default: 1024 on CUDA, 256 on CPU)")
+    parser.add_argument("--sets-only", action="store_true", help="only the GPT-2 and ResNet-50 parameter sets")
+    parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--plot", help="write a PNG of GB/s vs size here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    max_mb = args.max_mb or (1024 if device.type == "cuda" else 256)
+
+    cases = [("gpt2-124M", shapes.gpt2_small()), ("resnet50", shapes.resnet50())]
+    if not args.sets_only:
+        mb = 4
+        while mb <= max_mb:
+            cases.append((f"buffer-{mb}MB", [(mb * 2**20 // 4,)]))
+            mb *= 4
+    largest = max(sum(math.prod(s) for s in shape_list) for _, shape_list in cases)
+    copy_rate = copy_gbps(largest, device)
+    title = (f"gradsync kernels on {common.machine_description(device)}; CPU kernels: {gradsync._C.cpu_isa()}; "
+             f"copy {copy_rate:.1f} GB/s")
+    rows = []
+    for name, shape_list in cases:
+        tensors = make_tensors(shape_list, device)
+        rows += bench_case(name, tensors, device, copy_rate)
+        del tensors
+        print(f"# done: {name}", file=sys.stderr, flush=True)
+    common.print_table(title, rows)
+    if args.json:
+        common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
+                                                   "gradsync": gradsync.__version__, "torch": torch.__version__})
+    if args.plot:
+        common.plot(args.plot, title, [r for r in rows if r.case.startswith("buffer")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The benchmark harness: timing, the nccl-tests-style table, JSON and PNG output.
+
+Each benchmark supplies cases and ops; this module owns how they are timed and reported.
+"""
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Row:
+    case: str
+    op: str
+    count: int          # elements
+    tensors: int
+    bytes_moved: int    # bytes read + written by the fused op (the same figure for every op of a case)
+    time_ms: float
+    gbps: float = 0.0
+    pct_copy: float = 0.0
+    speedup: float = 0.0  # vs the case's baseline op (torch), same run
+    error: float = 0.0    # max relative error vs an fp64 reference, where meaningful
+    extra: dict = field(default_factory=dict)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn, device, *, warmup=2, repeats=7, min_time_s=0.2):
+    """Median wall time of fn() in milliseconds; CUDA ops are timed with events."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    # enough inner iterations that one sample lasts at least min_time_s / repeats
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    single = max(time.perf_counter() - t0, 1e-6)
+    inner = max(1, int(min_time_s / repeats / single))
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def machine_description(device):
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def format_bytes(n):
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def print_table(title, rows):
+    header = f"{'case':<16}{'op':<28}{'count':>12}{'tensors':>8}{'size':>10}{'time(ms)':>11}{'GB/s':>9}" \
+             f"{'%copy':>7}{'speedup':>9}{'error':>10}"
+    print(f"# {title}")
+    print(header)
+    for r in rows:
+        speed = f"{r.speedup:.2f}x" if r.speedup else "-"
+        err = f"{r.error:.2e}" if r.error else "-"
+        print(f"{r.case:<16}{r.op:<28}{r.count:>12}{r.tensors:>8}{format_bytes(r.bytes_moved):>10}{r.time_ms:>11.3f}"
+              f"{r.gbps:>9.1f}{r.pct_copy:>7.0f}{speed:>9}{err:>10}")
+
+
+def write_json(path, title, rows, meta):
+    with open(path, "w") as f:
+        json.dump({"title": title, "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op"):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"# matplotlib is not installed: no plot written to {path}")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(getattr(r, group) for r in rows):
+        pts = sorted((getattr(r, x), getattr(r, y)) for r in rows if getattr(r, group) == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,122 @@
+// The CPU kernels: scalar and AVX2 paths give the same bits, fp8 blocks meet their error bound,
+// and the multi-tensor copy handles contiguous, strided and empty segments.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "kernels/codec.h"
+#include "kernels/multi_tensor.h"
+
+using namespace gradsync;
+
+namespace {
+
+std::vector<float> random_bit_floats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    x = bits_float(rng());
+    if (!std::isfinite(x)) x = 1.5f;
+  }
+  return v;
+}
+
+const DType kTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+void check_convert_paths_agree() {
+  if (!set_cpu_isa("avx2")) {
+    std::printf("no AVX2: only the scalar path is tested\n");
+    return;
+  }
+  const size_t n = 10007;
+  const std::vector<float> src32 = random_bit_floats(n, 1);
+  for (DType st : kTypes) {
+    std::vector<uint8_t> src(n * 4);
+    set_cpu_isa("scalar");
+    convert_cpu(src32.data(), DType::kFloat32, src.data(), st, n, 1.0f);
+    for (DType dt : kTypes) {
+      std::vector<uint8_t> a(n * 4), b(n * 4);
+      set_cpu_isa("scalar");
+      convert_cpu(src.data(), st, a.data(), dt, n, 0.3f);
+      set_cpu_isa("avx2");
+      convert_cpu(src.data(), st, b.data(), dt, n, 0.3f);
+      CHECK(std::memcmp(a.data(), b.data(), n * dtype_size(dt)) == 0, "convert %d -> %d differs", int(st), int(dt));
+    }
+  }
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    std::vector<float> x = random_bit_floats(128 * 100 + 3, 2);
+    x[5] = INFINITY;
+    x[300] = NAN;
+    std::vector<uint8_t> a(fp8_payload_bytes(x.size())), b(a.size());
+    set_cpu_isa("scalar");
+    fp8_encode_cpu(f, x.data(), DType::kFloat32, x.size(), 1.0f, a.data(), 0, fp8_num_blocks(x.size()));
+    set_cpu_isa("avx2");
+    fp8_encode_cpu(f, x.data(), DType::kFloat32, x.size(), 1.0f, b.data(), 0, fp8_num_blocks(x.size()));
+    CHECK(a == b, "fp8 encode paths differ (format %d)", int(f));
+  }
+  set_cpu_isa("auto");
+}
+
+void check_fp8_roundtrip() {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> exponent(-30.0f, 30.0f), spread(-2.0f, 2.0f);
+  const int64_t n = 128 * 50 + 17;
+  std::vector<float> x(n);
+  for (int64_t b = 0; b < n; b += 128) {
+    const float centre = exponent(rng);
+    for (int64_t i = b; i < std::min(n, b + 128); ++i) x[i] = std::pow(10.0f, centre + spread(rng)) * (i % 3 ? 1 : -1);
+  }
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    const double rel = f == Fp8Format::kE4M3 ? 1.0 / 16 : 1.0 / 8;
+    const double sub = f == Fp8Format::kE4M3 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -17);
+    std::vector<uint8_t> payload(fp8_payload_bytes(n));
+    std::vector<float> y(n);
+    fp8_encode_cpu(f, x.data(), DType::kFloat32, n, 1.0f, payload.data(), 0, fp8_num_blocks(n));
+    fp8_decode_cpu(f, payload.data(), n, 1.0f, y.data(), DType::kFloat32, 0, fp8_num_blocks(n));
+    const float* scales = reinterpret_cast<const float*>(payload.data() + fp8_scales_offset(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const double bound = std::max(rel * std::fabs(x[i]), sub * scales[i / kFp8BlockSize]);
+      CHECK(std::fabs(static_cast<double>(y[i]) - x[i]) <= bound, "fp8 %d element %ld: %g -> %g", int(f), long(i), x[i], y[i]);
+    }
+  }
+}
+
+void check_multi_tensor_copy() {
+  // a: contiguous fp32[5], b: empty, c: fp16 3x4 matrix read transposed (strides 1, 4), d: bf16[70000]
+  std::vector<float> a = {1, 2, 3, 4, 5};
+  std::vector<uint16_t> c(12), d(70000);
+  for (int i = 0; i < 12; ++i) c[i] = float_to_half_bits(static_cast<float>(i));
+  for (int i = 0; i < 70000; ++i) d[i] = float_to_bf16_bits(static_cast<float>(i % 251));
+  Segment s[4];
+  std::memset(s, 0, sizeof(s));
+  s[0].data = a.data(); s[0].numel = 5; s[0].dtype = DType::kFloat32;
+  s[1].data = nullptr; s[1].numel = 0; s[1].dtype = DType::kFloat32; s[1].flat_offset = 5;
+  s[2].data = c.data(); s[2].numel = 12; s[2].dtype = DType::kFloat16; s[2].flat_offset = 5;
+  s[2].ndim = 2; s[2].sizes[0] = 4; s[2].sizes[1] = 3; s[2].strides[0] = 1; s[2].strides[1] = 4;
+  s[3].data = d.data(); s[3].numel = 70000; s[3].dtype = DType::kBFloat16; s[3].flat_offset = 17;
+  const int64_t chunks = plan_chunks(s, 4, kCpuChunk);
+  CHECK(chunks == 1 + 0 + 1 + 3, "chunks %ld", long(chunks));
+  std::vector<float> flat(70017);
+  multi_tensor_copy_cpu(s, 4, flat.data(), DType::kFloat32, 2.0f, Direction::kToFlat, 0, chunks);
+  for (int i = 0; i < 5; ++i) CHECK(flat[i] == 2 * a[i], "a[%d]", i);
+  for (int r = 0; r < 4; ++r)
+    for (int col = 0; col < 3; ++col) CHECK(flat[5 + r * 3 + col] == 2.0f * (col * 4 + r), "c^T[%d][%d]", r, col);
+  for (int i = 0; i < 70000; ++i) CHECK(flat[17 + i] == 2.0f * (i % 251), "d[%d]", i);
+  // back, halving: the original values return
+  std::fill(c.begin(), c.end(), 0);
+  std::fill(d.begin(), d.end(), 0);
+  multi_tensor_copy_cpu(s, 4, flat.data(), DType::kFloat32, 0.5f, Direction::kFromFlat, 0, chunks);
+  for (int i = 0; i < 12; ++i) CHECK(half_bits_to_float(c[i]) == i, "c[%d]", i);
+  for (int i = 0; i < 70000; ++i) CHECK(bf16_bits_to_float(d[i]) == i % 251, "d[%d] back", i);
+}
+
+}  // namespace
+
+int main() {
+  check_convert_paths_agree();
+  check_fp8_roundtrip();
+  check_multi_tensor_copy();
+  return gradsync_test::finish("kernels_cpu");
+}

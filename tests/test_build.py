@@ -1,0 +1,67 @@
+"""The build: flavour-tagged version, the report command, and the torch-mismatch check."""
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+import gradsync
+from gradsync import _build_info, _extension
+
+
+def run_python(code, cwd):
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_version_carries_the_build_flavour():
+    major, minor = torch.__version__.split(".")[:2]
+    assert re.fullmatch(r"\d+\.\d+\.\d+\+(cpu|cu\d+)torch\d+\.\d+", gradsync.__version__)
+    assert gradsync.__version__.endswith(f"{_build_info.flavour}torch{major}.{minor}")
+    assert (_build_info.flavour == "cpu") == (gradsync._C.build_info()["cuda"] is None)
+
+
+def test_report_names_versions_and_devices(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gradsync.report"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    for words in (gradsync.__version__, "build flavour", "CUDA compiled for", "NCCL linked", "torch built against",
+                  "torch running", torch.__version__, "GPUs"):
+        assert words in result.stdout
+
+
+def test_incompatibility_reasons():
+    assert _extension.incompatibility("2.14.1+cu130", "13.0", "2.14.0+cu130", "13.0") is None
+    assert "built for torch 2.14.1+cu130 but torch 2.13.0+cpu" in _extension.incompatibility(
+        "2.14.1+cu130", "13.0", "2.13.0+cpu", None)
+    assert "is a CPU build" in _extension.incompatibility("2.14.1+cu130", "13.0", "2.14.1+cpu", None)
+    assert _extension.incompatibility("2.14.1+cpu", None, "2.14.1+cu130", "13.0") is None
+
+
+def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
+    # Pretend this build was made for another torch: import must fail with a readable ImportError
+    # before the extension is loaded.
+    code = (
+        "import sys, types, gradsync._extension as e\n"
+        "fake = types.ModuleType('gradsync._build_info')\n"
+        "fake.version = '0.1.0+cu130torch9.9'; fake.torch_version = '9.9.0+cu130'; fake.cuda_version = '13.0'\n"
+        "sys.modules['gradsync._build_info'] = fake\n"
+        "try:\n"
+        "    e.load()\n"
+        "except ImportError as err:\n"
+        "    print('IMPORTERROR', err)\n"
+    )
+    # gradsync/__init__ would run load() first; import the loader module without the package init.
+    code = "import importlib.util, sys, os\n" \
+           "spec = importlib.util.find_spec('gradsync')\n" \
+           "pkg = os.path.dirname(spec.origin)\n" \
+           "import types; p = types.ModuleType('gradsync'); p.__path__ = [pkg]; sys.modules['gradsync'] = p\n" + code
+    result = run_python(code, tmp_path)
+    assert "IMPORTERROR" in result.stdout, result.stdout + result.stderr
+    assert "built for torch 9.9.0+cu130" in result.stdout and torch.__version__ in result.stdout
+    assert "pip install --no-build-isolation" in result.stdout
+
+
+def test_tests_use_the_installed_package():
+    # The package under test carries its compiled module (a source tree without a build cannot import).
+    assert os.path.exists(gradsync._C.__file__)

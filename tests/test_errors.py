@@ -1,0 +1,72 @@
+"""Every bad input raises a TypeError/ValueError that names the offending argument."""
+import pytest
+import torch
+
+import gradsync
+
+x = torch.randn(10)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: gradsync.flatten(x), TypeError, "tensors must be a list"),
+    (lambda: gradsync.flatten([x, "a"]), TypeError, "tensors[1]"),
+    (lambda: gradsync.flatten([x, torch.arange(3)]), TypeError, "tensors[1] has dtype torch.int64"),
+    (lambda: gradsync.flatten([x.to(torch.float64)]), TypeError, "tensors[0] has dtype torch.float64"),
+    (lambda: gradsync.flatten([x, x.to("meta")]), ValueError, "tensors[1] is on meta"),
+    (lambda: gradsync.flatten([x], dtype=torch.int32), TypeError, "dtype must be"),
+    (lambda: gradsync.flatten([x], scale="2"), TypeError, "scale must be a real number"),
+    (lambda: gradsync.flatten([x], scale=float("inf")), ValueError, "scale must be finite"),
+    (lambda: gradsync.flatten([]), ValueError, "tensors is empty"),
+    (lambda: gradsync.flatten([x], out=torch.empty(9)), ValueError, "out has shape (9,)"),
+    (lambda: gradsync.flatten([x], out=torch.empty(2, 5)), ValueError, "out has shape (2, 5)"),
+    (lambda: gradsync.flatten([x], dtype=torch.float16, out=torch.empty(10)), ValueError, "out has dtype torch.float32"),
+    (lambda: gradsync.flatten([x], out=torch.empty(10, dtype=torch.int32)), TypeError, "dtype must be"),
+    (lambda: gradsync.flatten([x], out=torch.empty(10, device="meta")), ValueError, "out is on meta"),
+    (lambda: gradsync.flatten([x], out=torch.empty(20)[::2]), ValueError, "out must be contiguous"),
+    (lambda: gradsync.flatten([x], out=[0.0] * 10), TypeError, "out must be a torch.Tensor"),
+    (lambda: gradsync.unflatten(torch.empty(9), [x]), ValueError, "flat has 9 elements but the tensors need 10"),
+    (lambda: gradsync.unflatten(torch.empty(10).long(), [x]), TypeError, "flat has dtype torch.int64"),
+    (lambda: gradsync.unflatten(torch.empty(2, 5), [x]), ValueError, "flat must be a contiguous 1-D tensor"),
+    (lambda: gradsync.unflatten(torch.empty(10), [x.to("meta")]), ValueError, "tensors[0] is on meta"),
+    (lambda: gradsync.unflatten(torch.empty(10), [torch.zeros(2, 1).expand(2, 5)]), ValueError, "expanded"),
+    (lambda: gradsync.unflatten(torch.empty(10), x), TypeError, "tensors must be a list"),
+    (lambda: gradsync.compress(x, "int4"), ValueError, "unknown codec 'int4'"),
+    (lambda: gradsync.compress(x.long(), "fp16"), TypeError, "x has dtype torch.int64"),
+    (lambda: gradsync.compress([1.0], "fp16"), TypeError, "x must be a torch.Tensor"),
+    (lambda: gradsync.compress(x, "fp8_e4m3", scale=None), TypeError, "scale must be a real number"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 11), ValueError, "payload holds 10 elements but numel is 11"),
+    (lambda: gradsync.decompress(torch.empty(10), "fp16", 10), ValueError, "a fp16 payload has dtype torch.float16"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "bf16", 10), ValueError, "a bf16 payload has dtype torch.bfloat16"),
+    (lambda: gradsync.decompress(torch.empty(10).long(), "none", 10), TypeError, "payload has dtype torch.int64"),
+    (lambda: gradsync.decompress(torch.empty(100, dtype=torch.uint8), "fp8_e4m3", 10), ValueError,
+     "payload has 100 bytes but a fp8_e4m3 payload of 10 elements has 20"),
+    (lambda: gradsync.decompress(torch.empty(20), "fp8_e5m2", 10), ValueError, "a fp8_e5m2 payload has dtype torch.uint8"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", -1), ValueError, "numel must be >= 0"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 10.0), TypeError, "numel must be an int"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "zstd", 10), ValueError, "unknown codec 'zstd'"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 10, dtype=torch.int8), TypeError, "dtype must be"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 10, out=torch.empty(11)), ValueError, "out has shape (11,)"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 10, out=torch.empty(10).half()), ValueError,
+     "out has dtype torch.float16, expected torch.float32"),
+    (lambda: gradsync.decompress(torch.empty(10).half(), "fp16", 10, out=torch.empty(10, device="meta")), ValueError,
+     "out is on meta"),
+    (lambda: gradsync.decompress(torch.empty(20).half()[::2], "fp16", 10), ValueError, "payload must be contiguous"),
+    (lambda: gradsync.decompress("payload", "fp16", 10), TypeError, "payload must be a torch.Tensor"),
+    (lambda: gradsync.payload_nbytes("fp9", 10), ValueError, "unknown codec 'fp9'"),
+])
+def test_bad_input_names_the_argument(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value)
+
+
+def test_private_module_guards_the_kernels_too():
+    from gradsync import _C
+    with pytest.raises(RuntimeError, match="flat buffer holds 5 elements"):
+        _C.flatten_into([x], torch.empty(5), 1.0)
+    with pytest.raises(RuntimeError, match="fp8 payload of 10 elements is 20"):
+        _C.fp8_encode(x, torch.empty(3, dtype=torch.uint8), 3, 1.0)
+    with pytest.raises(RuntimeError, match="not an fp8 codec id"):
+        _C.fp8_encode(x, torch.empty(32, dtype=torch.uint8), 1, 1.0)
+    with pytest.raises(RuntimeError, match="instruction set 'sse9'"):
+        _C.set_cpu_isa("sse9")
