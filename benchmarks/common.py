@@ -22,7 +22,7 @@ class Row:
     gbps: float = 0.0
     pct_copy: float = 0.0
     speedup: float = 0.0  # vs the case's baseline op (torch), same run
-    error: float = 0.0    # max relative error vs an fp64 reference, where meaningful
+    error: float = 0.0    # relative L2 error vs an fp64 reference, where meaningful
     extra: dict = field(default_factory=dict)
 
 

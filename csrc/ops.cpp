@@ -122,7 +122,7 @@ void flatten_into(const std::vector<at::Tensor>& tensors, const at::Tensor& flat
 
 void unflatten_from(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale) {
   for (const at::Tensor& t : tensors) {
-    for (int64_t d = 0; d < t.dim(); ++d) {
+    for (int64_t d = 0; d < t.dim() && t.numel() > 1; ++d) {
       TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "gradsync: cannot write into an expanded tensor");
     }
   }

@@ -136,13 +136,18 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     for i, t in enumerate(tensors):
         if t.device != flat.device:
             raise ValueError(f"tensors[{i}] is on {t.device} but flat is on {flat.device}")
-        if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        if t.numel() > 1 and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
             raise ValueError(f"tensors[{i}] is an expanded view (a stride of 0); it cannot be written element-wise")
     _C.unflatten_from(flat, tensors, scale)
 
 
-def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0) -> torch.Tensor:
-    """Encodes ``x * scale`` (in fp32, any shape, read in row-major order) into the wire payload of ``codec``.
+def _payload_dtype(codec, x_dtype):
+    return x_dtype if codec == "none" else _CAST_DTYPES.get(codec, torch.uint8)
+
+
+def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Encodes ``x * scale`` (in fp32, any shape, read in row-major order) into the wire payload of ``codec``
+    (into ``out`` when given: a contiguous 1-D tensor of the payload's dtype and length).
 
     "none" keeps ``x.dtype``; "fp16" and "bf16" give float16/bfloat16 tensors bit-identical to
     ``(x.float() * scale).to(dtype)``; the fp8 codecs give a uint8 payload (see FP8_BLOCK_SIZE) where
@@ -151,11 +156,17 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0) -> torch.Tensor
     _check_float_tensor(x, "x")
     _check_codec(codec)
     scale = _check_scale(scale)
+    dtype = _payload_dtype(codec, x.dtype)
+    length = x.numel() if codec == "none" or codec in _CAST_DTYPES else payload_nbytes(codec, x.numel())
+    if out is None:
+        out = torch.empty(length, dtype=dtype, device=x.device)
+    else:
+        _check_out(out, length, dtype, x.device)
     if codec == "none" or codec in _CAST_DTYPES:
-        return flatten([x], dtype=_CAST_DTYPES.get(codec, x.dtype), scale=scale)
-    payload = torch.empty(payload_nbytes(codec, x.numel()), dtype=torch.uint8, device=x.device)
-    _C.fp8_encode(x.contiguous().view(-1), payload, _CODEC_IDS[codec], scale)
-    return payload
+        _C.flatten_into([x], out, scale)
+    else:
+        _C.fp8_encode(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
+    return out
 
 
 def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dtype = torch.float32,
@@ -176,7 +187,7 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
     if codec == "none":
         _check_float_tensor(payload, "payload")
     else:
-        expected = _CAST_DTYPES.get(codec, torch.uint8)
+        expected = _payload_dtype(codec, None)
         if payload.dtype != expected:
             raise ValueError(f"a {codec} payload has dtype {expected}, got {payload.dtype}")
     wire_numel = payload.numel() if codec != "fp8_e4m3" and codec != "fp8_e5m2" else None

@@ -138,7 +138,8 @@ def test_fp8_zero_blocks_and_odd_lengths(codec):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_fp8_from_and_to_half_types(cpu_isa, codec, dtype):
     x = torch.randn(5000).to(dtype)
-    payload = gradsync.compress(x, codec, scale=2.0)
+    payload = torch.empty(gradsync.payload_nbytes(codec, 5000), dtype=torch.uint8)
+    assert gradsync.compress(x, codec, scale=2.0, out=payload).data_ptr() == payload.data_ptr()
     assert torch.equal(payload, gradsync.compress(x.float(), codec, scale=2.0))
     out = torch.empty(5000, dtype=dtype)
     result = gradsync.decompress(payload, codec, 5000, dtype=dtype, scale=0.5, out=out)
@@ -168,7 +169,7 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
 def test_codec_roundtrip_property(n, codec, dtype, log_mag, scale, seed):
     g = torch.Generator().manual_seed(seed)
     if dtype != torch.float32:
-        log_mag = max(min(log_mag, 3.0), -3.0)  # stay inside fp16's range
+        log_mag = max(min(log_mag, 1.0), -3.0)  # x * 1024 stays inside fp16's range
     x = (torch.randn(n, generator=g) * 10.0**log_mag).to(dtype)
     payload = gradsync.compress(x, codec, scale=scale)
     assert payload.numel() * payload.element_size() == gradsync.payload_nbytes(codec, n, dtype)
@@ -183,4 +184,5 @@ def test_codec_roundtrip_property(n, codec, dtype, log_mag, scale, seed):
     elif codec == "none" or codec == {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype):
         # the only rounding is that of x * scale to x's own dtype
         tol = {torch.float32: 2e-7, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-        assert torch.allclose(decoded.double(), ref, rtol=tol, atol=1e-4 * 10.0**log_mag)
+        subnormal = 2.0**-23 / scale if dtype == torch.float16 else 0.0  # fp16 subnormal spacing, rescaled
+        assert torch.allclose(decoded.double(), ref, rtol=tol, atol=1e-4 * 10.0**log_mag + subnormal)

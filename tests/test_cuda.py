@@ -1,0 +1,120 @@
+"""CUDA kernels: bitwise equal to their CPU twins, one launch per multi-tensor call, codec bounds."""
+import pytest
+import torch
+
+import gradsync
+from conftest import FLOAT_DTYPES, random_bits_floats, random_floats, same_bits
+from test_flatten import gradient_like_list
+
+pytestmark = pytest.mark.cuda
+CODECS = gradsync.CODECS
+
+
+def to_cuda(tensors):
+    # keep each tensor's layout (strides) on the device
+    out = []
+    for t in tensors:
+        d = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+        d.copy_(t)
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.125, 1 / 3])
+def test_flatten_matches_cpu_bitwise(dtype, scale):
+    cpu = gradient_like_list(7)
+    gpu = to_cuda(cpu)
+    assert same_bits(gradsync.flatten(gpu, dtype=dtype, scale=scale).cpu(),
+                     gradsync.flatten(cpu, dtype=dtype, scale=scale))
+
+
+@pytest.mark.parametrize("flat_dtype", FLOAT_DTYPES)
+def test_unflatten_matches_cpu_bitwise(flat_dtype):
+    shapes_dtypes = [((3, 4), torch.float32), ((17,), torch.float16), ((0,), torch.float32), ((5, 7), torch.bfloat16),
+                     ((70001,), torch.float32), ((2, 3, 4), torch.float16)]
+    cpu = [torch.zeros(s, dtype=d) for s, d in shapes_dtypes]
+    cpu.append(torch.zeros(6, 4).t())  # strided target
+    n = sum(t.numel() for t in cpu)
+    flat = random_floats(n, low_exp=-5, high_exp=5).to(flat_dtype)
+    gpu = to_cuda(cpu)
+    gradsync.unflatten(flat, cpu, scale=0.7)
+    gradsync.unflatten(flat.cuda(), gpu, scale=0.7)
+    for a, b in zip(cpu, gpu):
+        assert same_bits(a, b.cpu())
+
+
+def test_misaligned_offsets_take_the_scalar_path_correctly():
+    # odd sizes shift every later segment off 16-byte alignment in the flat buffer
+    g = torch.Generator().manual_seed(1)
+    cpu = [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (50,), generator=g)]
+    base = torch.randn(10001, device="cuda")
+    gpu = to_cuda(cpu) + [base[1:]]  # a tensor whose own start is misaligned
+    cpu = cpu + [base[1:].cpu()]
+    assert same_bits(gradsync.flatten(gpu, dtype=torch.float16).cpu(), gradsync.flatten(cpu, dtype=torch.float16))
+
+
+def test_flatten_is_one_kernel_launch_for_many_tensors():
+    tensors = [torch.randn(int(n), device="cuda") for n in torch.randint(1, 100000, (300,))]
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device="cuda")
+    gradsync.flatten(tensors, out=out)  # warm up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        gradsync.flatten(tensors, out=out)
+        gradsync.unflatten(out, tensors)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "multi_tensor_copy_kernel" in e.name]
+    assert len(kernels) == 2, kernels
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("in_dtype", FLOAT_DTYPES)
+def test_codecs_match_cpu_bitwise(codec, in_dtype):
+    x = random_floats(128 * 1000 + 33, low_exp=-20, high_exp=20)
+    if in_dtype != torch.float32:
+        x = torch.randn(x.numel()).to(in_dtype)
+    x[[5, 9000, 70000]] = torch.tensor([float("inf"), float("-inf"), float("nan")]).to(in_dtype)
+    cpu_payload = gradsync.compress(x, codec, scale=0.3)
+    gpu_payload = gradsync.compress(x.cuda(), codec, scale=0.3)
+    finite = torch.isfinite(cpu_payload.float()) if cpu_payload.is_floating_point() else None
+    if finite is None:
+        assert torch.equal(gpu_payload.cpu(), cpu_payload)
+    else:  # NaN payload bits may differ between F16C and CUDA conversions
+        assert same_bits(gpu_payload.cpu()[finite], cpu_payload[finite])
+        assert torch.equal(torch.isfinite(gpu_payload.cpu().float()), finite)
+    for out_dtype in FLOAT_DTYPES:
+        a = gradsync.decompress(cpu_payload, codec, x.numel(), dtype=out_dtype, scale=2.0)
+        b = gradsync.decompress(cpu_payload.cuda(), codec, x.numel(), dtype=out_dtype, scale=2.0).cpu()
+        ok = torch.isfinite(a.float())
+        assert same_bits(a[ok], b[ok]) and torch.equal(torch.isfinite(b.float()), ok)
+
+
+def test_random_bit_patterns_match_cpu():
+    x = random_bits_floats(1 << 20)
+    for codec in CODECS:
+        a = gradsync.compress(x, codec)
+        b = gradsync.compress(x.cuda(), codec).cpu()
+        if a.is_floating_point():
+            ok = torch.isfinite(a.float())
+            assert same_bits(a[ok], b[ok]), codec
+        else:
+            assert torch.equal(a, b), codec
+
+
+def test_big_buffer_and_current_stream():
+    x = torch.randn(64 * 2**20 + 5, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = gradsync.flatten([x], dtype=torch.bfloat16, scale=0.5)
+        z = gradsync.decompress(gradsync.compress(x, "fp8_e4m3"), "fp8_e4m3", x.numel())
+    stream.synchronize()
+    assert same_bits(y, (x * 0.5).bfloat16())
+    assert torch.allclose(z, x, rtol=0.07, atol=1e-3)
+
+
+def test_cuda_bad_input():
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cpu"):
+        gradsync.flatten([torch.randn(3, device="cuda"), torch.randn(3)])
+    with pytest.raises(ValueError, match="out is on cpu"):
+        gradsync.compress(torch.randn(3, device="cuda"), "fp16", out=torch.empty(3, dtype=torch.float16))
