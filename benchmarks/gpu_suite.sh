@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU suite: on a GPU machine with torch, nvcc, ninja and cupy preinstalled (no network needed),
+# builds gradsync, runs every test (the CUDA ones included) and the kernel benchmarks, and writes
+# logs and JSON into OUTDIR. Target: under 8 minutes on one H200.
+#
+#   benchmarks/gpu_suite.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($python -c \
+  "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null || echo 9.0)}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+started=$SECONDS
+status=0
+
+{ date -u; nvidia-smi; $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
+  > "$out/env.txt" 2>&1
+
+echo "== build (arch $TORCH_CUDA_ARCH_LIST)"
+if ! $python -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  exit 1
+fi
+$python -m gradsync.report | tee "$out/report.txt"
+
+echo "== tests [$((SECONDS - started))s]"
+timeout 300 $python -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== kernel benchmarks [$((SECONDS - started))s]"
+timeout 240 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
+  --plot "$out/bench_kernels_cuda.png" 2>&1 | tee "$out/bench_kernels_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== done in $((SECONDS - started))s, status $status"
+exit $status
