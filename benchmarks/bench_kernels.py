@@ -13,7 +13,6 @@ import os
 import sys
 
 import torch
-from torch._utils import _flatten_dense_tensors
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -74,8 +73,10 @@ def bench_case(name, tensors, device, copy_rate):
     def rel_err(y):  # relative L2 error
         return float((y.double() - ref).norm() / ref.norm())
 
-    torch_seq = lambda: _flatten_dense_tensors(tensors).div_(WORLD).half()  # noqa: E731
-    torch_ms = add("torch flatten+div+half", torch_seq, fused_bytes, error=rel_err(torch_seq()))
+    # torch's sequence; _flatten_dense_tensors of a single tensor is a view, so copy explicitly
+    # (as torch.cat does for many) rather than divide the caller's gradient in place
+    torch_seq = lambda: torch.cat([t.view(-1) for t in tensors]).div_(WORLD).half()  # noqa: E731
+    torch_ms = add("torch cat+div+half", torch_seq, fused_bytes, error=rel_err(torch_seq()))
     out = torch.empty(n, dtype=torch.float16, device=device)
     fused = lambda: gradsync.flatten(tensors, dtype=torch.float16, scale=1.0 / WORLD, out=out)  # noqa: E731
     add("gradsync flatten(fp16)", fused, fused_bytes, torch_ms, rel_err(fused()))
