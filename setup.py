@@ -116,7 +116,9 @@ def main():
 
     sources = read_sources()
     tag, torch_minor = torch_tag()
-    cxx_flags = ["-O3", "-fvisibility=hidden"]  # torch picks the C++ standard it needs
+    # torch picks the C++ standard it needs. No fused multiply-add contraction: the CPU (scalar and
+    # AVX2) and CUDA kernels must round every product and sum the same way to stay bitwise twins.
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     include_dirs = [str(ROOT / "csrc")]
     if with_cuda:
         flavour = "cu" + torch.version.cuda.replace(".", "")
@@ -127,7 +129,7 @@ def main():
             sources=sources["core"] + sources["cuda"] + sources["bindings"],
             include_dirs=include_dirs + [nccl_include],
             define_macros=[("GRADSYNC_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--fmad=false"]},
             extra_link_args=[f"-L{nccl_lib}", "-l:libnccl.so.2",
                              "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"],
         )

@@ -35,6 +35,13 @@ void fp8_encode_cpu(Fp8Format format, const void* src, DType src_dtype, int64_t 
 void fp8_decode_cpu(Fp8Format format, const uint8_t* payload, int64_t n, float scale, void* dst,
                     DType dst_dtype, int64_t block_begin, int64_t block_end);
 
+// The ring's per-hop reduction, fused: out = encode(decode(in) + float(local) * prescale), in fp32.
+// Cast codecs ("none", fp16, bf16) carry elements of `wire` dtype; fp8 processes whole blocks.
+void reduce_cast_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n, float prescale,
+                     void* out);
+void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
+                           float prescale, uint8_t* out);
+
 // Contiguous scale-and-cast: dst[i] = cast<dst_dtype>(float(src[i]) * scale).
 void convert_cpu(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale);
 
@@ -51,6 +58,10 @@ cudaError_t fp8_encode_cuda(Fp8Format format, const void* src, DType src_dtype, 
                             uint8_t* payload, cudaStream_t stream);
 cudaError_t fp8_decode_cuda(Fp8Format format, const uint8_t* payload, int64_t n, float scale, void* dst,
                             DType dst_dtype, cudaStream_t stream);
+cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                             float prescale, void* out, cudaStream_t stream);
+cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                   int64_t n, float prescale, uint8_t* out, cudaStream_t stream);
 #endif
 
 }  // namespace gradsync

@@ -51,6 +51,11 @@ void convert_scalar(const void* src, DType st, void* dst, DType dt, int64_t begi
   for (int64_t i = begin; i < end; ++i) store_float(dst, dt, i, load_float(src, st, i) * scale);
 }
 
+void reduce_cast_scalar(const void* in, DType wt, const void* local, DType lt, int64_t begin, int64_t end,
+                        float prescale, void* out) {
+  for (int64_t i = begin; i < end; ++i) store_float(out, wt, i, load_float(in, wt, i) + load_float(local, lt, i) * prescale);
+}
+
 template <Fp8Format F>
 struct Fp8DecodeTable {
   float value[256];
@@ -140,6 +145,34 @@ GS_AVX2 void convert_avx2(const void* src, DType st, void* dst, DType dt, int64_
   }
 }
 
+template <DType W, DType L>
+GS_AVX2 void reduce_cast_avx2_t(const void* in, const void* local, int64_t n, float prescale, void* out) {
+  const __m256 s = _mm256_set1_ps(prescale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    store8<W>(out, i, _mm256_add_ps(load8<W>(in, i), _mm256_mul_ps(load8<L>(local, i), s)));
+  }
+  reduce_cast_scalar(in, W, local, L, i, n, prescale, out);
+}
+
+template <DType W>
+GS_AVX2 void reduce_cast_avx2_wire(const void* in, const void* local, DType lt, int64_t n, float prescale, void* out) {
+  switch (lt) {
+    case DType::kFloat32: return reduce_cast_avx2_t<W, DType::kFloat32>(in, local, n, prescale, out);
+    case DType::kFloat16: return reduce_cast_avx2_t<W, DType::kFloat16>(in, local, n, prescale, out);
+    default: return reduce_cast_avx2_t<W, DType::kBFloat16>(in, local, n, prescale, out);
+  }
+}
+
+GS_AVX2 void reduce_cast_avx2(const void* in, DType wt, const void* local, DType lt, int64_t n, float prescale,
+                              void* out) {
+  switch (wt) {
+    case DType::kFloat32: return reduce_cast_avx2_wire<DType::kFloat32>(in, local, lt, n, prescale, out);
+    case DType::kFloat16: return reduce_cast_avx2_wire<DType::kFloat16>(in, local, lt, n, prescale, out);
+    default: return reduce_cast_avx2_wire<DType::kBFloat16>(in, local, lt, n, prescale, out);
+  }
+}
+
 GS_AVX2 float absmax_finite_avx2(const float* v, int64_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_set1_ps(INFINITY);
@@ -207,30 +240,52 @@ GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_c
 }
 #endif  // GS_HAVE_X86
 
+// Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
+template <Fp8Format F>
+void fp8_encode_block(const float* block, int64_t len, uint8_t* codes, uint8_t* scale_at) {
+#ifdef GS_HAVE_X86
+  const bool avx2 = use_avx2();
+  const int k = fp8_block_exponent<F>(avx2 ? absmax_finite_avx2(block, len) : absmax_finite_scalar(block, len));
+  if (avx2) fp8_codes_avx2<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
+  else fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
+#else
+  const int k = fp8_block_exponent<F>(absmax_finite_scalar(block, len));
+  fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
+#endif
+  const float decode_scale = pow2(-k);
+  std::memcpy(scale_at, &decode_scale, 4);
+}
+
 template <Fp8Format F>
 void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1) {
-  float* scales = reinterpret_cast<float*>(payload + fp8_scales_offset(n));
+  uint8_t* scales = payload + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    const void* block_src = static_cast<const char*>(src) + start * dtype_size(st);
-    convert_cpu(block_src, st, block, DType::kFloat32, len, scale);
-#ifdef GS_HAVE_X86
-    if (use_avx2()) {
-      const int k = fp8_block_exponent<F>(absmax_finite_avx2(block, len));
-      fp8_codes_avx2<F>(block, len, pow2(k), fp8_block_max_code<F>(k), payload + start);
-      const float decode_scale = pow2(-k);
-      std::memcpy(scales + b, &decode_scale, 4);
-      continue;
-    }
-#endif
-    const int k = fp8_block_exponent<F>(absmax_finite_scalar(block, len));
-    fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), payload + start);
-    const float decode_scale = pow2(-k);
-    std::memcpy(scales + b, &decode_scale, 4);
+    convert_cpu(static_cast<const char*>(src) + start * dtype_size(st), st, block, DType::kFloat32, len, scale);
+    fp8_encode_block<F>(block, len, payload + start, scales + 4 * b);
   }
   if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
+}
+
+template <Fp8Format F>
+void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out) {
+  const float* table = fp8_table<F>();
+  const uint8_t* in_scales = in + fp8_scales_offset(n);
+  uint8_t* out_scales = out + fp8_scales_offset(n);
+  alignas(32) float block[kFp8BlockSize];
+  alignas(32) float mine[kFp8BlockSize];
+  for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
+    const int64_t start = b * kFp8BlockSize;
+    const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    float decode_scale;
+    std::memcpy(&decode_scale, in_scales + 4 * b, 4);
+    convert_cpu(static_cast<const char*>(local) + start * dtype_size(lt), lt, mine, DType::kFloat32, len, prescale);
+    for (int64_t i = 0; i < len; ++i) block[i] = table[in[start + i]] * decode_scale + mine[i];
+    fp8_encode_block<F>(block, len, out + start, out_scales + 4 * b);
+  }
+  std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }
 
 template <Fp8Format F>
@@ -273,6 +328,20 @@ void fp8_decode_cpu(Fp8Format format, const uint8_t* payload, int64_t n, float s
   } else {
     fp8_decode_blocks<Fp8Format::kE5M2>(payload, n, scale, dst, dst_dtype, block_begin, block_end);
   }
+}
+
+void reduce_cast_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n, float prescale,
+                     void* out) {
+#ifdef GS_HAVE_X86
+  if (use_avx2()) return reduce_cast_avx2(in, wire, local, local_dtype, n, prescale, out);
+#endif
+  reduce_cast_scalar(in, wire, local, local_dtype, 0, n, prescale, out);
+}
+
+void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
+                           float prescale, uint8_t* out) {
+  if (format == Fp8Format::kE4M3) fp8_reduce_encode_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, out);
+  else fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out);
 }
 
 bool set_cpu_isa(const char* name) {

@@ -45,6 +45,43 @@ __global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, i
   if (blockIdx.x == 0 && threadIdx.x < pad) payload[n + threadIdx.x] = 0;
 }
 
+// out = encode(decode(in) + local * prescale), one warp per block (the ring's per-hop kernel).
+template <Fp8Format F, DType L>
+__global__ void __launch_bounds__(kThreads) fp8_reduce_encode_kernel(const uint8_t* in, const void* local, int64_t n,
+                                                                     float prescale, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t num_blocks = fp8_num_blocks(n);
+  const float* in_scales = reinterpret_cast<const float*>(in + fp8_scales_offset(n));
+  float* out_scales = reinterpret_cast<float*>(out + fp8_scales_offset(n));
+  for (int64_t b = warp; b < num_blocks; b += num_warps) {
+    const float in_scale = in_scales[b];
+    float v[kPerLane];
+    float absmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      v[j] = i < n ? fp8_to_float<F>(in[i]) * in_scale + load_one<L>(local, i) * prescale : 0.0f;
+      const float a = fabsf(v[j]);
+      if (a <= 3.40282347e38f) absmax = fmaxf(absmax, a);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+    const int k = fp8_block_exponent<F>(absmax);
+    const float mul = pow2(k);
+    const uint32_t max_code = fp8_block_max_code<F>(k);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      if (i < n) out[i] = float_to_fp8<F>(v[j] * mul, max_code);
+    }
+    if (lane == 0) out_scales[b] = pow2(-k);
+  }
+  const int64_t pad = fp8_scales_offset(n) - n;
+  if (blockIdx.x == 0 && threadIdx.x < pad) out[n + threadIdx.x] = 0;
+}
+
 template <Fp8Format F, DType D>
 __global__ void __launch_bounds__(kThreads) fp8_decode_kernel(const uint8_t* payload, int64_t n, float scale,
                                                               void* dst) {
@@ -82,7 +119,27 @@ cudaError_t decode(const uint8_t* payload, int64_t n, float scale, void* dst, DT
   return cudaGetLastError();
 }
 
+template <Fp8Format F>
+cudaError_t reduce_encode(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out,
+                          cudaStream_t stream) {
+  const unsigned grid = grid_for(fp8_num_blocks(n), kThreads / 32);
+  switch (lt) {
+    case DType::kFloat32: fp8_reduce_encode_kernel<F, DType::kFloat32><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, out); break;
+    case DType::kFloat16: fp8_reduce_encode_kernel<F, DType::kFloat16><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, out); break;
+    default: fp8_reduce_encode_kernel<F, DType::kBFloat16><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, out); break;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                   int64_t n, float prescale, uint8_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return format == Fp8Format::kE4M3
+             ? reduce_encode<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, out, stream)
+             : reduce_encode<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out, stream);
+}
 
 cudaError_t fp8_encode_cuda(Fp8Format format, const void* src, DType src_dtype, int64_t n, float scale,
                             uint8_t* payload, cudaStream_t stream) {

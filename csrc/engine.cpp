@@ -1,0 +1,184 @@
+#include "engine.h"
+
+#include <stdexcept>
+
+#include "ring/ring_allreduce.h"
+
+#ifdef GRADSYNC_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace gradsync {
+
+constexpr uint32_t kTagBase = 1u << 30;  // gradsync's tags: [2^30, 2^31)
+constexpr uint32_t kTagsPerCall = 1u << 24;
+constexpr uint32_t kCallSlots = 64;
+
+void RingWork::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return done_; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool RingWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+void RingWork::complete(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  done_cv_.notify_all();
+}
+
+RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : transport_(std::move(group)), worker_([this] { run(); }) {}
+
+RingEngine::~RingEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+namespace {
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "gradsync.all_reduce takes float32, float16 or bfloat16 tensors");
+  }
+}
+}  // namespace
+
+std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOptions& options) {
+  TORCH_CHECK(tensor.is_contiguous(), "gradsync.all_reduce: the tensor must be contiguous");
+  dtype_of(tensor);
+  Job job{tensor, options, std::make_shared<RingWork>()};
+#ifdef GRADSYNC_WITH_CUDA
+  if (tensor.is_cuda()) {
+    // the worker starts once the caller's stream has produced the tensor
+    const c10::cuda::CUDAGuard guard(tensor.device());
+    cudaEvent_t event;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    job.ready = std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+    C10_CUDA_CHECK(cudaEventRecord(event, c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream()));
+  }
+#else
+  TORCH_CHECK(!tensor.is_cuda(), "gradsync was built without CUDA");
+#endif
+  auto work = job.work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "gradsync: the ring engine of this group is shut down");
+    queue_.push_back(std::move(job));
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+void RingEngine::run() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every issued call has run
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      if (!broken_.empty()) throw std::runtime_error(broken_);
+      execute(job);
+      job.work->complete(nullptr);
+    } catch (const std::invalid_argument&) {  // the ranks disagree: every message completed cleanly
+      job.work->complete(std::current_exception());
+    } catch (const std::exception& e) {
+      // Messages may still be in flight into the workspaces: never reuse them, fail later calls.
+      broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + e.what();
+      recv_image_ = at::Tensor();  // leaked on purpose below: in-flight receives may still write into it
+      new at::Tensor(send_image_);
+      job.work->complete(std::current_exception());
+    }
+    job.tensor = at::Tensor();
+  }
+}
+
+uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, bool pinned) {
+  if (!buffer.defined() || buffer.numel() < bytes || buffer.is_pinned() != pinned) {
+    buffer = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  }
+  return buffer.data_ptr<uint8_t>();
+}
+
+void RingEngine::execute(Job& job) {
+  const at::Tensor& t = job.tensor;
+  const RingOptions& o = job.options;
+  const int n = transport_.size();
+  const DType dtype = dtype_of(t);
+  const Codec codec = static_cast<Codec>(o.codec);
+  const uint32_t tag_base = kTagBase + (sequence_++ % kCallSlots) * kTagsPerCall;
+
+  // slices of about slice_bytes on the wire, but few enough that one call's tags fit its range
+  const int64_t wire_size = codec == Codec::kFp8E4M3 || codec == Codec::kFp8E5M2 ? 1
+                            : codec == Codec::kNone ? dtype_size(dtype) : 2;
+  int64_t slice_elems = std::max<int64_t>(1, o.slice_bytes / wire_size);
+  while (ring_tag_span(RingPlan(t.numel(), n, slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
+  const RingPlan plan(t.numel(), n, slice_elems);
+
+  if (o.check_call) {
+    const RingCall call{t.numel(), static_cast<int32_t>(dtype), static_cast<int32_t>(o.codec),
+                        static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+    check_ring_call(transport_, call, tag_base + ring_tag_span(plan));
+  }
+  std::unique_ptr<RingKernels> kernels;
+  const bool pinned = t.is_cuda();
+#ifdef GRADSYNC_WITH_CUDA
+  std::unique_ptr<c10::cuda::CUDAGuard> guard;
+  if (t.is_cuda()) {
+    guard = std::make_unique<c10::cuda::CUDAGuard>(t.device());
+    const cudaStream_t stream = c10::cuda::getStreamFromPool(false, t.device().index()).stream();
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
+    kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
+                                                static_cast<float>(o.postscale), stream);
+  }
+#endif
+  if (!kernels) {
+    kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
+                                               static_cast<float>(o.postscale));
+  }
+  std::vector<int64_t> offsets;
+  const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
+  uint8_t* recv_image = workspace(recv_image_, image_bytes, pinned);
+  uint8_t* send_image = workspace(send_image_, image_bytes, pinned);
+  ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
+}
+
+void bind_ring(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
+      .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &RingWork::is_completed);
+  py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>())
+      .def_property_readonly("rank", &RingEngine::rank)
+      .def_property_readonly("size", &RingEngine::size)
+      .def(
+          "all_reduce",
+          [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,
+             int64_t slice_bytes) {
+            return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes});
+          },
+          py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
+          py::arg("slice_bytes"));
+}
+
+}  // namespace gradsync

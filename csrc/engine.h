@@ -1,0 +1,75 @@
+// The ring engine of one process group: a worker thread that runs the group's all-reduces in the
+// order they were issued (the same order on every rank), with workspaces reused across calls.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "transport/process_group.h"
+
+namespace gradsync {
+
+// Completion of one asynchronous all-reduce.
+class RingWork {
+ public:
+  void wait();  // blocks; rethrows the all-reduce's error
+  bool is_completed();
+  void complete(std::exception_ptr error);
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+struct RingOptions {
+  int64_t codec;
+  double prescale;
+  double postscale;
+  bool check_call;
+  int64_t slice_bytes;
+};
+
+class RingEngine {
+ public:
+  explicit RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ~RingEngine();
+  std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.size(); }
+
+ private:
+  struct Job {
+    at::Tensor tensor;
+    RingOptions options;
+    std::shared_ptr<RingWork> work;
+#ifdef GRADSYNC_WITH_CUDA
+    std::shared_ptr<void> ready;  // a CUDA event recorded on the caller's stream
+#endif
+  };
+  void run();
+  void execute(Job& job);
+  uint8_t* workspace(at::Tensor& buffer, int64_t bytes, bool pinned);
+
+  ProcessGroupTransport transport_;
+  std::mutex mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::string broken_;  // set once a transport failure left messages in flight
+  uint32_t sequence_ = 0;
+  at::Tensor recv_image_, send_image_;
+  std::thread worker_;
+};
+
+void bind_ring(pybind11::module& m);
+
+}  // namespace gradsync

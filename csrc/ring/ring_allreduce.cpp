@@ -1,0 +1,144 @@
+#include "ring/ring_allreduce.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace gradsync {
+
+CpuRingKernels::CpuRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale,
+                               float postscale)
+    : codec_(codec), local_(local), result_(result), dtype_(dtype),
+      wire_(codec == Codec::kFp16 ? DType::kFloat16 : codec == Codec::kBf16 ? DType::kBFloat16 : dtype),
+      prescale_(prescale), postscale_(postscale) {}
+
+namespace {
+bool is_fp8(Codec c) { return c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2; }
+Fp8Format fp8_format(Codec c) { return c == Codec::kFp8E4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2; }
+int mod(int x, int n) { return ((x % n) + n) % n; }
+}  // namespace
+
+int64_t CpuRingKernels::payload_bytes(int64_t n) const {
+  return is_fp8(codec_) ? fp8_payload_bytes(n) : n * dtype_size(wire_);
+}
+
+void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
+  if (is_fp8(codec_)) {
+    fp8_encode_cpu(fp8_format(codec_), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
+                   fp8_num_blocks(n));
+  } else {
+    convert_cpu(local_at(begin), dtype_, out, wire_, n, prescale_);
+  }
+}
+
+void CpuRingKernels::reduce_encode(const void* in, int64_t begin, int64_t n, void* out) {
+  if (is_fp8(codec_)) {
+    fp8_reduce_encode_cpu(fp8_format(codec_), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n, prescale_,
+                          static_cast<uint8_t*>(out));
+  } else {
+    reduce_cast_cpu(in, wire_, local_at(begin), dtype_, n, prescale_, out);
+  }
+}
+
+void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
+  void* dst = static_cast<char*>(result_) + begin * dtype_size(dtype_);
+  if (is_fp8(codec_)) {
+    fp8_decode_cpu(fp8_format(codec_), static_cast<const uint8_t*>(in), n, postscale_, dst, dtype_, 0,
+                   fp8_num_blocks(n));
+  } else {
+    convert_cpu(in, wire_, dst, dtype_, n, postscale_);
+  }
+}
+
+uint32_t ring_tag_span(const RingPlan& plan) {
+  return static_cast<uint32_t>(2 * std::max(plan.ranks() - 1, 1) * std::max(plan.max_slices(), 1));
+}
+
+void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
+  const int n = t.size(), r = t.rank();
+  if (n == 1) return;
+  // all-gather of the records around the ring: step s forwards the record of rank r - s
+  std::vector<RingCall> table(n);
+  table[r] = call;
+  for (int s = 0; s < n - 1; ++s) {
+    const int64_t h = t.recv(&table[mod(r - s - 1, n)], sizeof(RingCall), mod(r - 1, n), tag + s);
+    t.send(&table[mod(r - s, n)], sizeof(RingCall), mod(r + 1, n), tag + s);
+    t.wait(h);
+  }
+  t.wait_all();
+  std::ostringstream diff;
+  for (int i = 0; i < n; ++i) {
+    const RingCall& c = table[i];
+    if (std::memcmp(&c, &table[0], sizeof(RingCall)) != 0) {
+      diff << " rank " << i << " has numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec
+           << ", prescale " << c.prescale << ", postscale " << c.postscale << " but rank 0 has numel "
+           << table[0].numel << ", dtype " << table[0].dtype << ", codec " << table[0].codec << ", prescale "
+           << table[0].prescale << ", postscale " << table[0].postscale << ";";
+    }
+  }
+  if (!diff.str().empty()) {
+    throw std::invalid_argument("gradsync.all_reduce: the ranks disagree on the call:" + diff.str() +
+                                " every rank must pass the same numel, dtype, codec and scaling");
+  }
+}
+
+void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                    uint8_t* send_image, uint32_t tag_base) {
+  const int n = plan.ranks(), r = t.rank(), next = mod(r + 1, n), prev = mod(r - 1, n);
+  std::vector<int64_t> offsets;
+  plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
+  const int k_max = plan.max_slices();
+  auto slot = [&](uint8_t* image, int c, int k) { return image + offsets[static_cast<size_t>(c) * k_max + k]; };
+  auto bytes = [&](int c, int k) { return kernels.payload_bytes(plan.slice_len(c, k)); };
+  auto tag = [&](int step, int k) { return tag_base + static_cast<uint32_t>(step * k_max + k); };
+
+  if (n == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
+    for (int k = 0; k < plan.slices(0); ++k) kernels.encode(plan.slice_begin(0, k), plan.slice_len(0, k), slot(send_image, 0, k));
+    for (int k = 0; k < plan.slices(0); ++k) kernels.decode(slot(send_image, 0, k), plan.slice_begin(0, k), plan.slice_len(0, k));
+    return;
+  }
+
+  // Reduce-scatter. Every receive is posted up front (a rendezvous transport moves no data before
+  // the receive exists); step s receives chunk r-s-1, adds the local part and forwards it.
+  std::vector<int64_t> handles(static_cast<size_t>(n - 1) * k_max, -1);
+  for (int s = 0; s < n - 1; ++s) {
+    const int c = mod(r - s - 1, n);
+    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(slot(recv_image, c, k), bytes(c, k), prev, tag(s, k));
+  }
+  for (int k = 0; k < plan.slices(r); ++k) {
+    kernels.encode(plan.slice_begin(r, k), plan.slice_len(r, k), slot(send_image, r, k));
+    t.send(slot(send_image, r, k), bytes(r, k), next, tag(0, k));
+  }
+  for (int s = 0; s < n - 1; ++s) {
+    const int c = mod(r - s - 1, n);
+    for (int k = 0; k < plan.slices(c); ++k) {
+      t.wait(handles[s * k_max + k]);
+      kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k));
+      if (s < n - 2) t.send(slot(send_image, c, k), bytes(c, k), next, tag(s + 1, k));
+    }
+  }
+  t.wait_all();
+
+  // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step t receives chunk r-t.
+  const int own = mod(r + 1, n);
+  for (int s = 0; s < n - 1; ++s) {
+    const int c = mod(r - s, n);
+    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(slot(recv_image, c, k), bytes(c, k), prev, tag(n - 1 + s, k));
+  }
+  for (int k = 0; k < plan.slices(own); ++k) t.send(slot(send_image, own, k), bytes(own, k), next, tag(n - 1, k));
+  for (int s = 0; s < n - 1; ++s) {
+    const int c = mod(r - s, n);
+    for (int k = 0; k < plan.slices(c); ++k) {
+      t.wait(handles[s * k_max + k]);
+      if (s < n - 2) t.send(slot(recv_image, c, k), bytes(c, k), next, tag(n + s, k));
+    }
+  }
+  t.wait_all();
+
+  for (int c = 0; c < n; ++c) {
+    uint8_t* image = c == own ? send_image : recv_image;
+    for (int k = 0; k < plan.slices(c); ++k) kernels.decode(slot(image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k));
+  }
+}
+
+}  // namespace gradsync

@@ -1,0 +1,70 @@
+// Ring all-reduce over any Transport: reduce-scatter then all-gather, n-1 steps each, chunked and
+// pipelined. Each hop decodes what it receives, adds the local contribution in fp32 and re-encodes
+// (one fused kernel); the fully reduced chunk is encoded once and every rank decodes the same bytes,
+// so the result is bitwise identical on every rank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "ring/ring_plan.h"
+#include "ring/transport.h"
+
+namespace gradsync {
+
+// The element-wise work of one all-reduce, over element ranges [begin, begin + n) of the buffer.
+class RingKernels {
+ public:
+  virtual ~RingKernels() = default;
+  virtual int64_t payload_bytes(int64_t n) const = 0;
+  // out = encode(local * prescale)
+  virtual void encode(int64_t begin, int64_t n, void* out) = 0;
+  // out = encode(decode(in) + local * prescale)
+  virtual void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) = 0;
+  // result = decode(in) * postscale
+  virtual void decode(const void* in, int64_t begin, int64_t n) = 0;
+};
+
+// The host-memory kernels: local and result are contiguous arrays (they may be the same).
+class CpuRingKernels : public RingKernels {
+ public:
+  CpuRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale);
+  int64_t payload_bytes(int64_t n) const override;
+  void encode(int64_t begin, int64_t n, void* out) override;
+  void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
+  void decode(const void* in, int64_t begin, int64_t n) override;
+
+ private:
+  const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
+  Codec codec_;
+  const void* local_;
+  void* result_;
+  DType dtype_, wire_;
+  float prescale_, postscale_;
+};
+
+// What every rank must agree on before the ring starts.
+struct RingCall {
+  int64_t numel;
+  int32_t dtype;
+  int32_t codec;
+  float prescale;
+  float postscale;
+  int64_t slice_elems;
+};
+
+// Tags of one call occupy [tag_base, tag_base + ring_tag_span(plan)).
+uint32_t ring_tag_span(const RingPlan& plan);
+
+// Exchanges `call` around the ring; throws on every rank, naming the ranks that differ, if any do.
+void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
+
+// The all-reduce. `recv_image` and `send_image` are workspaces of plan.layout(...) bytes each, in
+// memory the transport and the kernels can both use. The result is written only after every
+// message has arrived: a failure leaves it untouched.
+void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                    uint8_t* send_image, uint32_t tag_base);
+
+}  // namespace gradsync

@@ -1,0 +1,53 @@
+// How the ring cuts a buffer: n chunks (one per rank, each a multiple of the fp8 block so that
+// blocks and 16-byte alignment hold), each chunk in slices that are encoded and sent separately so
+// that the transfer of slice k+1 overlaps the reduction of slice k. Every rank computes the same plan.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace gradsync {
+
+constexpr int64_t kRingAlign = 128;  // elements; = kFp8BlockSize
+
+class RingPlan {
+ public:
+  RingPlan(int64_t numel, int ranks, int64_t slice_elems)
+      : numel_(numel), ranks_(ranks),
+        chunk_(round_up((numel + ranks - 1) / ranks)),
+        slice_(std::max<int64_t>(kRingAlign, round_up(slice_elems))) {}
+
+  int ranks() const { return ranks_; }
+  int64_t numel() const { return numel_; }
+  int64_t chunk_begin(int c) const { return std::min(numel_, c * chunk_); }
+  int64_t chunk_len(int c) const { return std::min(numel_, (c + 1) * chunk_) - chunk_begin(c); }
+  int slices(int c) const { return static_cast<int>((chunk_len(c) + slice_ - 1) / slice_); }
+  int max_slices() const { return slices(0); }  // chunk 0 is never shorter than another
+  int64_t slice_begin(int c, int k) const { return chunk_begin(c) + k * slice_; }
+  int64_t slice_len(int c, int k) const { return std::min(slice_, chunk_len(c) - k * slice_); }
+
+  // Byte offsets of every (chunk, slice) payload in a payload image, given the payload size of n
+  // elements; each payload starts 16-byte aligned. Returns the image size.
+  template <typename PayloadBytes>
+  int64_t layout(PayloadBytes payload_bytes, std::vector<int64_t>& offsets) const {
+    const int k_max = max_slices();
+    offsets.assign(static_cast<size_t>(ranks_) * std::max(k_max, 1), 0);
+    int64_t at = 0;
+    for (int c = 0; c < ranks_; ++c) {
+      for (int k = 0; k < slices(c); ++k) {
+        offsets[static_cast<size_t>(c) * k_max + k] = at;
+        at += (payload_bytes(slice_len(c, k)) + 15) / 16 * 16;
+      }
+    }
+    return at;
+  }
+
+ private:
+  static int64_t round_up(int64_t x) { return (x + kRingAlign - 1) / kRingAlign * kRingAlign; }
+  int64_t numel_;
+  int ranks_;
+  int64_t chunk_, slice_;
+};
+
+}  // namespace gradsync

@@ -1,0 +1,32 @@
+// Transport over a torch.distributed ProcessGroup's point-to-point send/recv (gloo on CPU).
+//
+// Messages carry host memory. Tags live in gradsync's own range (>= 2^30), apart from the small
+// tags of user point-to-point traffic; gloo keeps point-to-point apart from collectives by itself.
+// A wait's timeout is the group's (the `timeout` given to init_process_group / new_group): a dead
+// peer closes its connections, and a peer that never answers runs into that timeout.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <vector>
+
+#include "ring/transport.h"
+
+namespace gradsync {
+
+class ProcessGroupTransport : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {}
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override;
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override;
+  void wait(int64_t handle) override;
+  void wait_all() override;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
+};
+
+}  // namespace gradsync
