@@ -104,7 +104,7 @@ void RingEngine::run() {
     } catch (const std::exception& e) {
       // Messages may still be in flight into the workspaces: never reuse them, fail later calls.
       broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + e.what();
-      recv_image_ = at::Tensor();  // leaked on purpose below: in-flight receives may still write into it
+      new at::Tensor(recv_image_);  // leaked on purpose: in-flight messages may still use them
       new at::Tensor(send_image_);
       job.work->complete(std::current_exception());
     }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "engine.h"
 #include "kernels/codec.h"
 #include "kernels/multi_tensor.h"
 
@@ -234,4 +235,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", []() { return std::string(cpu_isa()); });
   m.def("build_info", &build_info);
   m.def("nccl_runtime_version", &nccl_runtime_version);
+  bind_ring(m);
 }

@@ -1,12 +1,14 @@
 """gradsync: cheaper, safer gradient synchronization for PyTorch data parallelism.
 
-Fused multi-tensor flatten/unflatten and gradient codecs (fp16, bf16, block-scaled fp8) on CPU and CUDA.
+Fused multi-tensor flatten/unflatten and gradient codecs (fp16, bf16, block-scaled fp8) on CPU and CUDA,
+and a ring all-reduce that sends the compressed wire and accumulates in fp32.
 """
 from ._extension import load as _load
 
 _build_info, _C = _load()
 __version__ = _build_info.version
 
+from .distributed import AllReduceWork, all_reduce, shutdown  # noqa: E402
 from .ops import (  # noqa: E402
     CODECS,
     FP8_BLOCK_SIZE,
@@ -17,5 +19,5 @@ from .ops import (  # noqa: E402
     unflatten,
 )
 
-__all__ = ["CODECS", "FP8_BLOCK_SIZE", "compress", "decompress", "flatten", "payload_nbytes", "unflatten",
-           "__version__"]
+__all__ = ["AllReduceWork", "CODECS", "FP8_BLOCK_SIZE", "all_reduce", "compress", "decompress", "flatten",
+           "payload_nbytes", "shutdown", "unflatten", "__version__"]

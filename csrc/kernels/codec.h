@@ -58,6 +58,8 @@ cudaError_t fp8_encode_cuda(Fp8Format format, const void* src, DType src_dtype, 
                             uint8_t* payload, cudaStream_t stream);
 cudaError_t fp8_decode_cuda(Fp8Format format, const uint8_t* payload, int64_t n, float scale, void* dst,
                             DType dst_dtype, cudaStream_t stream);
+cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
+                         cudaStream_t stream);
 cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
                              float prescale, void* out, cudaStream_t stream);
 cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,

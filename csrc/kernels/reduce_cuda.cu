@@ -1,5 +1,5 @@
-// The ring's per-hop kernel for the cast codecs on CUDA: out = cast<wire>(in + local * prescale),
-// element-wise in fp32; the twin of reduce_cast_cpu.
+// Element-wise kernels of the ring for the cast codecs, twins of convert_cpu and reduce_cast_cpu:
+// out = cast(src * scale) and out = cast<wire>(in + local * prescale), in fp32.
 #include <algorithm>
 
 #include "codec.h"
@@ -19,10 +19,32 @@ __global__ void __launch_bounds__(kThreads) reduce_cast_kernel(const void* in, c
   }
 }
 
+template <DType S, DType D>
+__global__ void __launch_bounds__(kThreads) convert_kernel(const void* src, void* dst, int64_t n, float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    store_one<D>(dst, i, load_one<S>(src, i) * scale);
+  }
+}
+
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, max_resident_blocks(kThreads));
+  return static_cast<unsigned>(std::max<int64_t>(1, blocks));
+}
+
+template <DType S>
+void launch_convert(const void* src, void* dst, DType dt, int64_t n, float scale, cudaStream_t stream) {
+  const unsigned grid = grid_for(n);
+  switch (dt) {
+    case DType::kFloat32: convert_kernel<S, DType::kFloat32><<<grid, kThreads, 0, stream>>>(src, dst, n, scale); break;
+    case DType::kFloat16: convert_kernel<S, DType::kFloat16><<<grid, kThreads, 0, stream>>>(src, dst, n, scale); break;
+    default: convert_kernel<S, DType::kBFloat16><<<grid, kThreads, 0, stream>>>(src, dst, n, scale); break;
+  }
+}
+
 template <DType W>
 void launch(const void* in, const void* local, DType lt, int64_t n, float prescale, void* out, cudaStream_t stream) {
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, max_resident_blocks(kThreads));
-  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, blocks));
+  const unsigned grid = grid_for(n);
   switch (lt) {
     case DType::kFloat32: reduce_cast_kernel<W, DType::kFloat32><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, out); break;
     case DType::kFloat16: reduce_cast_kernel<W, DType::kFloat16><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, out); break;
@@ -31,6 +53,17 @@ void launch(const void* in, const void* local, DType lt, int64_t n, float presca
 }
 
 }  // namespace
+
+cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (src_dtype) {
+    case DType::kFloat32: launch_convert<DType::kFloat32>(src, dst, dst_dtype, n, scale, stream); break;
+    case DType::kFloat16: launch_convert<DType::kFloat16>(src, dst, dst_dtype, n, scale, stream); break;
+    default: launch_convert<DType::kBFloat16>(src, dst, dst_dtype, n, scale, stream); break;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
                              float prescale, void* out, cudaStream_t stream) {

@@ -45,6 +45,32 @@ class CpuRingKernels : public RingKernels {
   float prescale_, postscale_;
 };
 
+#ifdef GRADSYNC_WITH_CUDA
+// The CUDA kernels on one stream. With `synchronize`, every call returns after its kernel has
+// finished, so that a host transport may read what it wrote; payload images may then live in
+// pinned host memory, which the kernels read and write directly.
+class CudaRingKernels : public RingKernels {
+ public:
+  CudaRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale,
+                  cudaStream_t stream, bool synchronize = true);
+  int64_t payload_bytes(int64_t n) const override;
+  void encode(int64_t begin, int64_t n, void* out) override;
+  void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
+  void decode(const void* in, int64_t begin, int64_t n) override;
+
+ private:
+  void finish(cudaError_t launched);
+  const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
+  Codec codec_;
+  const void* local_;
+  void* result_;
+  DType dtype_, wire_;
+  float prescale_, postscale_;
+  cudaStream_t stream_;
+  bool synchronize_;
+};
+#endif
+
 // What every rank must agree on before the ring starts.
 struct RingCall {
   int64_t numel;

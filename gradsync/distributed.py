@@ -1,0 +1,135 @@
+"""gradsync.all_reduce: a ring all-reduce with a compressed wire and fp32 accumulation.
+
+Each hop decodes what it receives, adds the local contribution in fp32 and re-encodes; the fully
+reduced chunk is encoded once and every rank decodes the same bytes, so the result is bitwise
+identical on every rank. It runs over any torch.distributed process group (gloo on CPU; CUDA
+tensors over a non-NCCL group travel through pinned host memory).
+"""
+import atexit
+import math
+import numbers
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .ops import CODECS, FLOAT_DTYPES, _CODEC_IDS, _check_codec
+
+OPS = ("avg", "sum")
+SLICE_BYTES = 1 << 20
+"""Bytes per slice on the wire: the unit of pipelining (smaller slices drown in per-message cost)."""
+
+_engines = {}
+
+
+class AllReduceWork:
+    """The handle of an asynchronous :func:`all_reduce`; the tensor must not be touched until ``wait()``."""
+
+    def __init__(self, work, tensor):
+        self._work = work
+        self._tensor = tensor
+
+    def wait(self) -> None:
+        """Blocks until the all-reduce is done; raises its error if it failed (the tensor is then unchanged)."""
+        self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _check_scale(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"{name} must be a finite, non-zero number, got {value!r}")
+    return float(value)
+
+
+def resolve_scales(op, world_size, prescale=None, postscale=None):
+    """(prescale, postscale) whose product is 1/world_size for "avg" and 1 for "sum".
+
+    By default the whole factor is applied before the sum (prescale = 1/n): every partial sum then
+    stays within the inputs' range, so an fp16 wire cannot overflow where the inputs did not, at the
+    cost of log2(n) bits at the bottom of fp16's range (values below n * 6e-8 flush to zero). bf16
+    and the block-scaled fp8 codecs are indifferent to the split. Give one factor and gradsync
+    derives the other; give both and their product must be right.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    target = 1.0 / world_size if op == "avg" else 1.0
+    if prescale is None and postscale is None:
+        return target, 1.0
+    if postscale is None:
+        prescale = _check_scale(prescale, "prescale")
+        return prescale, target / prescale
+    postscale = _check_scale(postscale, "postscale")
+    if prescale is None:
+        return target / postscale, postscale
+    prescale = _check_scale(prescale, "prescale")
+    if not math.isclose(prescale * postscale, target, rel_tol=1e-6):
+        raise ValueError(f"prescale * postscale must be {target:g} for op={op!r} on {world_size} ranks, "
+                         f"got {prescale:g} * {postscale:g}")
+    return prescale, postscale
+
+
+def _resolve_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradsync.all_reduce needs torch.distributed to be initialized "
+                           "(torch.distributed.init_process_group)")
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group: this rank is not a member of the group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _engine(group):
+    engine = _engines.get(group)
+    if engine is None:
+        engine = _engines[group] = _C.RingEngine(group)
+    return engine
+
+
+def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
+               prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
+               check_call: bool = True):
+    """All-reduces ``tensor`` in place across ``group`` (default: the default group).
+
+    ``op``: "avg" (default) or "sum". ``codec``: the wire format, one of :data:`gradsync.CODECS`
+    ("none" sends the tensor's own dtype). Sums are accumulated in fp32 at every hop. ``prescale`` /
+    ``postscale``: see :func:`resolve_scales`. With ``async_op=True`` returns an
+    :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must
+    be the same on every rank. ``check_call`` first verifies (one small exchange) that every rank
+    passes the same numel, dtype, codec and scaling, and raises on every rank if not.
+
+    The tensor must be contiguous float32/float16/bfloat16, on CPU or CUDA. It is written only once
+    every message has arrived: on failure it is left unchanged.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"tensor has dtype {tensor.dtype}; gradsync.all_reduce takes float32, float16 or bfloat16")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor is on {tensor.device}; gradsync.all_reduce takes CPU or CUDA tensors")
+    _check_codec(codec)
+    group = _resolve_group(group)
+    prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
+    work = _engine(group).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES)
+    handle = AllReduceWork(work, tensor)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def shutdown():
+    """Finishes every issued all-reduce and releases gradsync's per-group engines (threads, workspaces)."""
+    engines = list(_engines.values())
+    _engines.clear()
+    del engines
+
+
+atexit.register(shutdown)
