@@ -47,14 +47,16 @@ def test_none_codec_keeps_input_dtype(cpu_isa, in_dtype):
 
 
 @pytest.mark.parametrize("codec", FP8)
-def test_fp8_decodes_every_code_like_torch(codec):
+def test_fp8_decodes_every_code_like_torch(cpu_isa, codec):
     codes = torch.arange(256, dtype=torch.uint8)
-    payload = torch.cat([codes, torch.ones(2, dtype=torch.float32).view(torch.uint8)])
-    decoded = gradsync.decompress(payload, codec, 256)
-    ref = codes.view(FP8[codec]).float()
-    assert torch.equal(torch.isnan(decoded), torch.isnan(ref))
-    ok = ~torch.isnan(ref)
-    assert same_bits(decoded[ok], ref[ok])
+    for block_scale in (1.0, 2.0**-100, 2.0**100):
+        scales = torch.full((2,), block_scale, dtype=torch.float32)
+        payload = torch.cat([codes, scales.view(torch.uint8)])
+        decoded = gradsync.decompress(payload, codec, 256)
+        ref = codes.view(FP8[codec]).float() * block_scale
+        assert torch.equal(torch.isnan(decoded), torch.isnan(ref))
+        ok = ~torch.isnan(ref)
+        assert same_bits(decoded[ok], ref[ok])
 
 
 @pytest.mark.parametrize("codec", FP8)

@@ -70,6 +70,12 @@ const float* fp8_table() {
   return table.value;
 }
 
+template <Fp8Format F>
+void fp8_values_scalar(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
+  const float* table = fp8_table<F>();
+  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * decode_scale;
+}
+
 float absmax_finite_scalar(const float* v, int64_t n) {
   float m = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
@@ -137,7 +143,7 @@ GS_AVX2 void convert_avx2_from(const void* src, void* dst, DType dt, int64_t n, 
   }
 }
 
-GS_AVX2 void convert_avx2(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
+GS_AVX2 inline void convert_avx2(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
   switch (st) {
     case DType::kFloat32: return convert_avx2_from<DType::kFloat32>(src, dst, dt, n, scale);
     case DType::kFloat16: return convert_avx2_from<DType::kFloat16>(src, dst, dt, n, scale);
@@ -173,7 +179,7 @@ GS_AVX2 void reduce_cast_avx2(const void* in, DType wt, const void* local, DType
   }
 }
 
-GS_AVX2 float absmax_finite_avx2(const float* v, int64_t n) {
+GS_AVX2 inline float absmax_finite_avx2(const float* v, int64_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_set1_ps(INFINITY);
   __m256 m = _mm256_setzero_ps();
@@ -223,8 +229,42 @@ GS_AVX2 inline __m256i fp8_codes8(__m256 v, __m256i max_code) {
   return _mm256_or_si256(code, sign);
 }
 
+// out[i] = value(codes[i]) * decode_scale: the fp8 fields moved into an fp32's, rebiased by one
+// exact multiply; subnormal codes go through an integer conversion so that no fp32 subnormal (and
+// no denormals-are-zero mode) is involved.
 template <Fp8Format F>
-GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+GS_AVX2 inline void fp8_values_avx2(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
+  using T = Fp8Traits<F>;
+  constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
+  const __m256 rebias = _mm256_set1_ps(pow2(127 - kBias));
+  const __m256 subnormal_unit = _mm256_set1_ps(pow2(1 - kBias - T::kManBits));
+  const __m256 d = _mm256_set1_ps(decode_scale);
+  const __m256i man_mask = _mm256_set1_epi32((1 << T::kManBits) - 1);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 23 - T::kManBits)), rebias);
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, man_mask)), subnormal_unit);
+    const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_srli_epi32(mag, T::kManBits), _mm256_setzero_si256());
+    v = _mm256_blendv_ps(v, sub, _mm256_castsi256_ps(is_sub));
+    v = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+    const __m256i nan = _mm256_or_si256(sign, _mm256_set1_epi32(0x7fc00000));
+    if constexpr (F == Fp8Format::kE4M3) {
+      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(nan), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+    } else {
+      const __m256i inf = _mm256_or_si256(sign, _mm256_set1_epi32(0x7f800000));
+      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(inf), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7c))));
+      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(nan), _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c))));
+    }
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(v, d));
+  }
+  fp8_values_scalar<F>(codes + i, n - i, decode_scale, out + i);
+}
+
+template <Fp8Format F>
+GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
   const __m256 m = _mm256_set1_ps(mul);
   const __m256i max_code8 = _mm256_set1_epi32(static_cast<int>(max_code));
   const __m256i gather_low_bytes = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
@@ -240,38 +280,68 @@ GS_AVX2 void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_c
 }
 #endif  // GS_HAVE_X86
 
-// Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
-template <Fp8Format F>
-void fp8_encode_block(const float* block, int64_t len, uint8_t* codes, uint8_t* scale_at) {
+// The per-block loops, written once over an instruction-set policy and compiled whole for each
+// set, so that the vector helpers inline into them.
+#define GS_ALWAYS_INLINE __attribute__((always_inline)) inline
+
+struct ScalarIsa {
+  static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
+    convert_scalar(src, st, dst, dt, 0, n, scale);
+  }
+  static float absmax(const float* v, int64_t n) { return absmax_finite_scalar(v, n); }
+  template <Fp8Format F>
+  static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+    fp8_codes_scalar<F>(v, n, mul, max_code, out);
+  }
+  template <Fp8Format F>
+  static void values(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
+    fp8_values_scalar<F>(codes, n, decode_scale, out);
+  }
+};
+
 #ifdef GS_HAVE_X86
-  const bool avx2 = use_avx2();
-  const int k = fp8_block_exponent<F>(avx2 ? absmax_finite_avx2(block, len) : absmax_finite_scalar(block, len));
-  if (avx2) fp8_codes_avx2<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
-  else fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
-#else
-  const int k = fp8_block_exponent<F>(absmax_finite_scalar(block, len));
-  fp8_codes_scalar<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
+struct Avx2Isa {
+  GS_AVX2 static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
+    convert_avx2(src, st, dst, dt, n, scale);
+  }
+  GS_AVX2 static float absmax(const float* v, int64_t n) { return absmax_finite_avx2(v, n); }
+  template <Fp8Format F>
+  GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+    fp8_codes_avx2<F>(v, n, mul, max_code, out);
+  }
+  template <Fp8Format F>
+  GS_AVX2 static void values(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
+    fp8_values_avx2<F>(codes, n, decode_scale, out);
+  }
+};
 #endif
+
+// Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
+template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, uint8_t* codes, uint8_t* scale_at) {
+  const int k = fp8_block_exponent<F>(Isa::absmax(block, len));
+  Isa::template codes<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
   const float decode_scale = pow2(-k);
   std::memcpy(scale_at, &decode_scale, 4);
 }
 
-template <Fp8Format F>
-void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1) {
+template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_encode_loop(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0,
+                                      int64_t b1) {
   uint8_t* scales = payload + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    convert_cpu(static_cast<const char*>(src) + start * dtype_size(st), st, block, DType::kFloat32, len, scale);
-    fp8_encode_block<F>(block, len, payload + start, scales + 4 * b);
+    Isa::convert(static_cast<const char*>(src) + start * dtype_size(st), st, block, DType::kFloat32, len, scale);
+    fp8_encode_block<F, Isa>(block, len, payload + start, scales + 4 * b);
   }
   if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
 }
 
-template <Fp8Format F>
-void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out) {
-  const float* table = fp8_table<F>();
+template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                                             uint8_t* out) {
   const uint8_t* in_scales = in + fp8_scales_offset(n);
   uint8_t* out_scales = out + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
@@ -281,16 +351,17 @@ void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, in
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
     float decode_scale;
     std::memcpy(&decode_scale, in_scales + 4 * b, 4);
-    convert_cpu(static_cast<const char*>(local) + start * dtype_size(lt), lt, mine, DType::kFloat32, len, prescale);
-    for (int64_t i = 0; i < len; ++i) block[i] = table[in[start + i]] * decode_scale + mine[i];
-    fp8_encode_block<F>(block, len, out + start, out_scales + 4 * b);
+    Isa::convert(static_cast<const char*>(local) + start * dtype_size(lt), lt, mine, DType::kFloat32, len, prescale);
+    Isa::template values<F>(in + start, len, decode_scale, block);
+    for (int64_t i = 0; i < len; ++i) block[i] += mine[i];
+    fp8_encode_block<F, Isa>(block, len, out + start, out_scales + 4 * b);
   }
   std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }
 
-template <Fp8Format F>
-void fp8_decode_blocks(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1) {
-  const float* table = fp8_table<F>();
+template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0,
+                                      int64_t b1) {
   const uint8_t* scale_bytes = payload + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
   for (int64_t b = b0; b < b1; ++b) {
@@ -298,9 +369,44 @@ void fp8_decode_blocks(const uint8_t* payload, int64_t n, float scale, void* dst
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
     float decode_scale;
     std::memcpy(&decode_scale, scale_bytes + 4 * b, 4);
-    for (int64_t i = 0; i < len; ++i) block[i] = (table[payload[start + i]] * decode_scale) * scale;
-    convert_cpu(block, DType::kFloat32, static_cast<char*>(dst) + start * dtype_size(dt), dt, len, 1.0f);
+    Isa::template values<F>(payload + start, len, decode_scale, block);
+    Isa::convert(block, DType::kFloat32, static_cast<char*>(dst) + start * dtype_size(dt), dt, len, scale);
   }
+}
+
+#ifdef GS_HAVE_X86
+#define GS_DISPATCH(loop, ...)                                                  \
+  if (use_avx2()) return loop##_avx2<F>(__VA_ARGS__);                          \
+  return loop##_scalar<F>(__VA_ARGS__)
+#define GS_ISA_ENTRY(loop, params, args)                                        \
+  template <Fp8Format F> GS_AVX2 void loop##_avx2 params { loop##_loop<F, Avx2Isa> args; } \
+  template <Fp8Format F> void loop##_scalar params { loop##_loop<F, ScalarIsa> args; }
+#else
+#define GS_DISPATCH(loop, ...) return loop##_scalar<F>(__VA_ARGS__)
+#define GS_ISA_ENTRY(loop, params, args) \
+  template <Fp8Format F> void loop##_scalar params { loop##_loop<F, ScalarIsa> args; }
+#endif
+
+GS_ISA_ENTRY(fp8_encode, (const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1),
+             (src, st, n, scale, payload, b0, b1))
+GS_ISA_ENTRY(fp8_reduce_encode, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out),
+             (in, local, lt, n, prescale, out))
+GS_ISA_ENTRY(fp8_decode, (const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1),
+             (payload, n, scale, dst, dt, b0, b1))
+
+template <Fp8Format F>
+void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1) {
+  GS_DISPATCH(fp8_encode, src, st, n, scale, payload, b0, b1);
+}
+
+template <Fp8Format F>
+void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out) {
+  GS_DISPATCH(fp8_reduce_encode, in, local, lt, n, prescale, out);
+}
+
+template <Fp8Format F>
+void fp8_decode_blocks(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1) {
+  GS_DISPATCH(fp8_decode, payload, n, scale, dst, dt, b0, b1);
 }
 
 }  // namespace
