@@ -1,0 +1,280 @@
+"""gradsync.all_reduce on real processes over gloo: accuracy against fp64, bitwise agreement
+across ranks, subgroups, async calls, and every failure path."""
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync
+from distributed_harness import World
+from gradsync.distributed import resolve_scales
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# unit roundoff of each wire format, and its absolute floor: half the smallest subnormal, or for fp8
+# the block-scale term 2*sub/FMAX of the block's largest value (see README)
+WIRE_U = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8,
+          "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
+FP8_FLOOR = {"fp8_e4m3": 2 * 2.0**-10 / 448, "fp8_e5m2": 2 * 2.0**-17 / 57344}
+
+
+def rank_input(rank, numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    # gradient-like: magnitudes spread over a few decades, so that blocks differ in scale
+    x = torch.randn(numel, generator=g) * torch.pow(10.0, torch.empty(numel).uniform_(-3, 1, generator=g))
+    return x.to(dtype)
+
+
+def digest(t):
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def error_ratio(result, inputs, codec, op, dtype_name, size):
+    """max over elements of |result - fp64 reference| / (documented bound); <= 1 passes."""
+    prescale, postscale = resolve_scales(op, size)
+    xs = torch.stack([x.double() for x in inputs])
+    ref = postscale * (prescale * xs).sum(0)
+    s = (prescale * xs).abs().sum(0)  # what the partial sums can reach
+    wire = dtype_name if codec == "none" else codec
+    floor = torch.zeros_like(s)
+    if codec in FP8_FLOOR:
+        blocks = torch.nn.functional.pad(s, (0, -s.numel() % 128)).view(-1, 128).amax(1)
+        floor = FP8_FLOOR[codec] * blocks.repeat_interleave(128)[: s.numel()]
+    elif wire in ("float16", "fp16"):
+        floor = torch.full_like(s, 2.0**-25)
+    u_out = WIRE_U[dtype_name] if dtype_name != "float32" else 2.0**-24
+    bound = postscale * size * ((WIRE_U[wire] + 2.0**-24) * s + floor) + u_out * ref.abs() + 1e-30
+    return float(((result.double() - ref).abs() / bound).max()) if result.numel() else 0.0
+
+
+def run_cases(rank, size, cases):
+    """Runs every (numel, codec, dtype, op) case; returns {case: (error ratio, result digest)}."""
+    out = {}
+    for numel, codec, dtype_name, op in cases:
+        dtype = DTYPES[dtype_name]
+        inputs = [rank_input(r, numel, dtype) for r in range(size)]
+        x = inputs[rank].clone()
+        gradsync.all_reduce(x, op=op, codec=codec)
+        again = inputs[rank].clone()
+        gradsync.all_reduce(again, op=op, codec=codec)  # a repeated call gives the same bits
+        assert torch.equal(again.view(torch.uint8), x.view(torch.uint8)), "repeated call differs"
+        out[(numel, codec, dtype_name, op)] = (error_ratio(x, inputs, codec, op, dtype_name, size), digest(x))
+    return out
+
+
+def check_results(per_rank):
+    for case in per_rank[0]:
+        ratios = [r[case][0] for r in per_rank]
+        digests = {r[case][1] for r in per_rank}
+        assert len(digests) == 1, f"{case}: results differ across ranks"
+        assert max(ratios) <= 1.0, f"{case}: error {max(ratios):.3g} x the bound"
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    made = {}
+
+    def get(size):
+        if size not in made:
+            made[size] = World(size)
+        return made[size]
+    yield get
+    for world in made.values():
+        world.close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_every_codec_dtype_op_and_size_matches_fp64(worlds, size):
+    numels = sorted({0, 1, max(size - 1, 1), 1009, 2**20 + 3})
+    cases = [(n, codec, dtype, op) for n in numels for codec in gradsync.CODECS for dtype in DTYPES
+             for op in ("avg", "sum") if n < 2**20 or dtype == "float32"]
+    check_results(worlds(size).run(run_cases, cases))
+
+
+def test_sixteen_million_elements(worlds):
+    cases = [(16 * 2**20, codec, "float32", "avg") for codec in ("none", "fp16", "fp8_e4m3")]
+    check_results(worlds(4).run(run_cases, cases))
+
+
+def compressed_beats_torch_fp16(rank, size):
+    """gradsync fp16 (fp32 sums) vs torch's fp16 hook path (fp16 sums) on the same data."""
+    inputs = [rank_input(r, 1 << 16, torch.float32, seed=3) for r in range(size)]
+    ref = torch.stack([x.double() for x in inputs]).mean(0)
+    ours = inputs[rank].clone()
+    gradsync.all_reduce(ours, codec="fp16")
+    theirs = inputs[rank].half().div_(size)
+    dist.all_reduce(theirs)
+    return float((ours.double() - ref).norm() / ref.norm()), float((theirs.double() - ref).norm() / ref.norm())
+
+
+def test_fp16_wire_is_at_least_as_accurate_as_torch_fp16_path(worlds):
+    ours, theirs = worlds(4).run(compressed_beats_torch_fp16)[0]
+    assert ours <= theirs
+
+
+def subgroup_calls(rank, size):
+    first = dist.new_group([0, 1, 2])
+    second = dist.new_group([1, 3])
+    out = {}
+    for name, group, members in (("first", first, [0, 1, 2]), ("second", second, [1, 3])):
+        if rank not in members:
+            continue
+        inputs = [rank_input(r, 5000, torch.float32, seed=7) for r in members]
+        x = inputs[members.index(rank)].clone()
+        gradsync.all_reduce(x, op="sum", codec="bf16", group=group)
+        out[name] = (error_ratio(x, inputs, "bf16", "sum", "float32", len(members)), digest(x))
+    return out
+
+
+def test_subgroups(worlds):
+    results = worlds(4).run(subgroup_calls)
+    for name, members in (("first", [0, 1, 2]), ("second", [1, 3])):
+        assert len({results[r][name][1] for r in members}) == 1
+        assert all(results[r][name][0] <= 1.0 for r in members)
+
+
+def async_calls(rank, size):
+    a_inputs = [rank_input(r, 300000, torch.float32, seed=1) for r in range(size)]
+    b_inputs = [rank_input(r, 70000, torch.bfloat16, seed=2) for r in range(size)]
+    a, b = a_inputs[rank].clone(), b_inputs[rank].clone()
+    work_a = gradsync.all_reduce(a, codec="fp8_e4m3", async_op=True)
+    work_b = gradsync.all_reduce(b, codec="fp16", op="sum", async_op=True)
+    assert isinstance(work_a, gradsync.AllReduceWork)
+    work_b.wait()
+    work_a.wait()
+    assert work_a.is_completed() and work_b.is_completed()
+    a_sync, b_sync = a_inputs[rank].clone(), b_inputs[rank].clone()
+    gradsync.all_reduce(a_sync, codec="fp8_e4m3")
+    gradsync.all_reduce(b_sync, codec="fp16", op="sum")
+    return torch.equal(a, a_sync) and torch.equal(b, b_sync), digest(a) + digest(b)
+
+
+def test_two_async_all_reduces_in_flight(worlds):
+    results = worlds(3).run(async_calls)
+    assert all(same for same, _ in results)
+    assert len({d for _, d in results}) == 1
+
+
+def disagreeing_calls(rank, size):
+    messages = []
+    for kind in ("numel", "dtype", "codec", "scale"):
+        numel = 1000 + (rank if kind == "numel" else 0)
+        dtype = torch.float16 if kind == "dtype" and rank == size - 1 else torch.float32
+        codec = "fp8_e5m2" if kind == "codec" and rank == 0 else "fp16"
+        prescale = 0.5 if kind == "scale" and rank == 1 else None
+        x = torch.randn(numel).to(dtype)
+        before = x.clone()
+        with pytest.raises(ValueError) as info:
+            gradsync.all_reduce(x, codec=codec, prescale=prescale)
+        assert torch.equal(x, before), "a failed call wrote into the tensor"
+        messages.append(str(info.value))
+    y = torch.ones(10)  # the group still works afterwards
+    gradsync.all_reduce(y, op="sum")
+    assert torch.equal(y, torch.full((10,), float(size)))
+    return messages
+
+
+def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
+    for messages in worlds(3).run(disagreeing_calls):
+        assert all("the ranks disagree" in m for m in messages)
+
+
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def many_calls(rank, size):
+    x = torch.randn(1 << 16)
+    for _ in range(50):
+        gradsync.all_reduce(x, codec="fp8_e4m3")
+    before = rss_bytes()
+    for i in range(1000):
+        gradsync.all_reduce(x, codec=("fp16", "fp8_e4m3", "none")[i % 3])
+    return rss_bytes() - before
+
+
+def test_memory_is_flat_over_a_thousand_calls(worlds):
+    growth = worlds(2).run(many_calls)
+    assert max(growth) < 8 * 2**20, growth
+
+
+def die_mid_ring(rank, size, victim):
+    x = torch.randn(8 * 2**20)
+    if rank == victim:
+        threading.Timer(0.05, lambda: os._exit(17)).start()
+    start = time.monotonic()
+    try:
+        while True:  # keep the ring busy until the victim is gone
+            gradsync.all_reduce(x, codec="fp16")
+            if time.monotonic() - start > 60:
+                return "no error after 60 s"
+    except Exception as e:  # noqa: BLE001 - the survivors must raise, whatever the wire says
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f} s: {e}"
+
+
+def test_a_dead_peer_makes_the_survivors_raise_within_the_timeout():
+    timeout_s = 10
+    world = World(3, group_timeout_s=timeout_s)
+    try:
+        for conn in world.conns:
+            conn.send((die_mid_ring.__module__, die_mid_ring.__name__, (2,)))
+        outcomes = []
+        for rank in (0, 1):
+            assert world.conns[rank].poll(timeout_s + 30), f"rank {rank} hangs"
+            status, value = world.conns[rank].recv()
+            outcomes.append(value)
+        for value in outcomes:
+            assert "no error" not in value, value
+            seconds = float(value.split(" after ")[1].split(" s")[0])
+            assert seconds <= timeout_s + 10, value
+        world.procs[2].join(10)
+        assert world.procs[2].exitcode == 17
+    finally:
+        world.close()
+
+
+def world_of_one(rank, size):
+    x = torch.randn(3000)
+    y = x.clone()
+    gradsync.all_reduce(y, codec="none")
+    z = x.clone()
+    gradsync.all_reduce(z, codec="fp16")
+    return torch.equal(x, y), torch.equal(z, x.half().float())
+
+
+def test_world_of_one_applies_the_codec_and_nothing_else(worlds):
+    assert worlds(1).run(world_of_one) == [(True, True)]
+
+
+def test_scales():
+    assert resolve_scales("avg", 4) == (0.25, 1.0)
+    assert resolve_scales("sum", 4) == (1.0, 1.0)
+    assert resolve_scales("avg", 4, prescale=0.5) == (0.5, 0.5)
+    assert resolve_scales("avg", 4, postscale=0.125) == (2.0, 0.125)
+    assert resolve_scales("sum", 8, prescale=0.25, postscale=4.0) == (0.25, 4.0)
+    with pytest.raises(ValueError, match="prescale \\* postscale must be 0.25"):
+        resolve_scales("avg", 4, prescale=1.0, postscale=1.0)
+    with pytest.raises(ValueError, match="op must be one of avg, sum"):
+        resolve_scales("max", 4)
+    with pytest.raises(ValueError, match="prescale must be a finite, non-zero number"):
+        resolve_scales("avg", 4, prescale=0.0)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: gradsync.all_reduce(torch.arange(4)), TypeError, "tensor has dtype torch.int64"),
+    (lambda: gradsync.all_reduce(torch.randn(4, 4).t()), ValueError, "tensor must be contiguous"),
+    (lambda: gradsync.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor"),
+    (lambda: gradsync.all_reduce(torch.randn(4), codec="int8"), ValueError, "unknown codec 'int8'"),
+    (lambda: gradsync.all_reduce(torch.randn(4)), RuntimeError, "torch.distributed to be initialized"),
+])
+def test_bad_input(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value)
