@@ -139,7 +139,7 @@ def main():
         rows += bench_case(name, tensors, device, copy_rate)
         del tensors
         print(f"# done: {name}", file=sys.stderr, flush=True)
-    common.print_table(title, rows)
+    common.print_table(title, rows, common.KERNEL_COLUMNS)
     if args.json:
         common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
                                                    "gradsync": gradsync.__version__, "torch": torch.__version__})

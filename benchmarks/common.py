@@ -74,21 +74,43 @@ def format_bytes(n):
         n /= 1024
 
 
-def print_table(title, rows):
-    header = f"{'case':<16}{'op':<28}{'count':>12}{'tensors':>8}{'size':>10}{'time(ms)':>11}{'GB/s':>9}" \
-             f"{'%copy':>7}{'speedup':>9}{'error':>10}"
+def print_table(title, records, columns):
+    """nccl-tests-style fixed-width table. columns: (header, key, width, format) per column; records:
+    dataclasses or dicts."""
+    def value(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
     print(f"# {title}")
-    print(header)
-    for r in rows:
-        speed = f"{r.speedup:.2f}x" if r.speedup else "-"
-        err = f"{r.error:.2e}" if r.error else "-"
-        print(f"{r.case:<16}{r.op:<28}{r.count:>12}{r.tensors:>8}{format_bytes(r.bytes_moved):>10}{r.time_ms:>11.3f}"
-              f"{r.gbps:>9.1f}{r.pct_copy:>7.0f}{speed:>9}{err:>10}")
+    print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, _, w, _) in enumerate(columns)))
+    for r in records:
+        cells = []
+        for i, (_, key, width, fmt) in enumerate(columns):
+            text = fmt(value(r, key))
+            cells.append(f"{text:<{width}}" if i == 0 else f"{text:>{width}}")
+        print("".join(cells))
+
+
+def fixed(digits):
+    return lambda v: f"{v:.{digits}f}"
+
+
+def ratio(v):
+    return f"{v:.2f}x" if v else "-"
+
+
+def sci(v):
+    return f"{v:.2e}" if v else "-"
+
+
+KERNEL_COLUMNS = [("case", "case", 16, str), ("op", "op", 28, str), ("count", "count", 12, str),
+                  ("tensors", "tensors", 8, str), ("size", "bytes_moved", 10, format_bytes),
+                  ("time(ms)", "time_ms", 11, fixed(3)), ("GB/s", "gbps", 9, fixed(1)), ("%copy", "pct_copy", 7, fixed(0)),
+                  ("speedup", "speedup", 9, ratio), ("error", "error", 10, sci)]
 
 
 def write_json(path, title, rows, meta):
     with open(path, "w") as f:
-        json.dump({"title": title, "meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"title": title, "meta": meta, "rows": [r if isinstance(r, dict) else asdict(r) for r in rows]}, f,
+                  indent=1)
 
 
 def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op"):
@@ -100,8 +122,9 @@ def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op"):
         print(f"# matplotlib is not installed: no plot written to {path}")
         return
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(getattr(r, group) for r in rows):
-        pts = sorted((getattr(r, x), getattr(r, y)) for r in rows if getattr(r, group) == name)
+    get = lambda r, k: r[k] if isinstance(r, dict) else getattr(r, k)  # noqa: E731
+    for name in dict.fromkeys(get(r, group) for r in rows):
+        pts = sorted((get(r, x), get(r, y)) for r in rows if get(r, group) == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ax.set_xscale("log")
     ax.set_xlabel(x.replace("_", " "))

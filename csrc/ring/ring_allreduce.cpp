@@ -50,6 +50,11 @@ void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
   }
 }
 
+void* CpuRingKernels::result_as_payload(int64_t begin) {
+  if (codec_ != Codec::kNone || postscale_ != 1.0f) return nullptr;
+  return static_cast<char*>(result_) + begin * dtype_size(dtype_);
+}
+
 uint32_t ring_tag_span(const RingPlan& plan) {
   return static_cast<uint32_t>(2 * std::max(plan.ranks() - 1, 1) * std::max(plan.max_slices(), 1));
 }
@@ -119,26 +124,29 @@ void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, ui
   }
   t.wait_all();
 
-  // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step t receives chunk r-t.
+  // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
+  // forwards it, then decodes it into the result (or receives it there, when decoding is a copy).
   const int own = mod(r + 1, n);
+  auto landing = [&](int c, int k) -> uint8_t* {
+    void* direct = kernels.result_as_payload(plan.slice_begin(c, k));
+    return direct ? static_cast<uint8_t*>(direct) : slot(recv_image, c, k);
+  };
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
-    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(slot(recv_image, c, k), bytes(c, k), prev, tag(n - 1 + s, k));
+    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(landing(c, k), bytes(c, k), prev, tag(n - 1 + s, k));
   }
   for (int k = 0; k < plan.slices(own); ++k) t.send(slot(send_image, own, k), bytes(own, k), next, tag(n - 1, k));
+  for (int k = 0; k < plan.slices(own); ++k) kernels.decode(slot(send_image, own, k), plan.slice_begin(own, k), plan.slice_len(own, k));
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
     for (int k = 0; k < plan.slices(c); ++k) {
       t.wait(handles[s * k_max + k]);
-      if (s < n - 2) t.send(slot(recv_image, c, k), bytes(c, k), next, tag(n + s, k));
+      uint8_t* payload = landing(c, k);
+      if (s < n - 2) t.send(payload, bytes(c, k), next, tag(n + s, k));
+      if (payload == slot(recv_image, c, k)) kernels.decode(payload, plan.slice_begin(c, k), plan.slice_len(c, k));
     }
   }
   t.wait_all();
-
-  for (int c = 0; c < n; ++c) {
-    uint8_t* image = c == own ? send_image : recv_image;
-    for (int k = 0; k < plan.slices(c); ++k) kernels.decode(slot(image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k));
-  }
 }
 
 }  // namespace gradsync

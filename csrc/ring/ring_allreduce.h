@@ -25,6 +25,9 @@ class RingKernels {
   virtual void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) = 0;
   // result = decode(in) * postscale
   virtual void decode(const void* in, int64_t begin, int64_t n) = 0;
+  // Where the payload of elements [begin, ...) may be received when decoding it would only copy it
+  // (codec "none", postscale 1, memory the transport reaches); nullptr otherwise.
+  virtual void* result_as_payload(int64_t begin) { (void)begin; return nullptr; }
 };
 
 // The host-memory kernels: local and result are contiguous arrays (they may be the same).
@@ -35,6 +38,7 @@ class CpuRingKernels : public RingKernels {
   void encode(int64_t begin, int64_t n, void* out) override;
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
+  void* result_as_payload(int64_t begin) override;
 
  private:
   const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
@@ -88,8 +92,10 @@ uint32_t ring_tag_span(const RingPlan& plan);
 void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
 
 // The all-reduce. `recv_image` and `send_image` are workspaces of plan.layout(...) bytes each, in
-// memory the transport and the kernels can both use. The result is written only after every
-// message has arrived: a failure leaves it untouched.
+// memory the transport and the kernels can both use. The result is written only in the all-gather,
+// slice by slice as the reduced payloads arrive (decoded while they are still in cache); the local
+// input is no longer read by then, so result and input may be the same memory. A transport failure
+// during the all-gather can leave the result partly written.
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
 

@@ -1,0 +1,177 @@
+"""All-reduce benchmark: gradsync's ring with each codec vs torch.distributed on the same group.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_allreduce.py [--max-bytes 64M] [--json out.json] [--plot out.png]
+    torchrun --nproc-per-node 8 benchmarks/bench_allreduce.py --accuracy      # error table at n = 2, 4, 8
+
+gloo on CPU, NCCL for CUDA (--device cuda). Sizes are those of the fp32 gradient buffer. Columns as in
+nccl-tests: algbw = S / t and busbw = algbw * 2(n-1)/n, both in fp32 bytes, so that a compressed
+wire shows up as a higher bandwidth; error is the relative L2 error of the averaged result against
+an fp64 all-reduce of the same inputs. Rows of one size are measured in one run, interleaved.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import gradsync  # noqa: E402
+
+COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, str), ("impl", "impl", 24, str),
+           ("time(ms)", "time_ms", 11, common.fixed(3)), ("algbw", "algbw", 9, common.fixed(3)),
+           ("busbw", "busbw", 9, common.fixed(3)), ("wire", "wire_bytes", 10, common.format_bytes),
+           ("vs fp32", "speedup", 9, common.ratio), ("error", "error", 10, common.sci)]
+
+
+def parse_bytes(text):
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def gradient_like(numel, rank, device, seed=0):
+    """Per-rank data with magnitudes over four decades, varying along the buffer like real gradients."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(numel, generator=g) * torch.pow(10.0, torch.empty(numel).uniform_(-3, 1, generator=g))
+    return x.to(device)
+
+
+def implementations(n, group):
+    def torch_fp32(x):
+        dist.all_reduce(x, group=group)
+        x.div_(n)
+
+    def torch_fp16_hook(x):  # what torch's fp16_compress_hook does to a bucket
+        t = x.to(torch.float16).div_(n)
+        dist.all_reduce(t, group=group)
+        x.copy_(t)
+
+    impls = {"torch fp32": (torch_fp32, 4), "torch fp16 hook path": (torch_fp16_hook, 2)}
+    for codec in gradsync.CODECS:
+        wire = {"none": 4, "fp16": 2, "bf16": 2}.get(codec, 1 + 4 / 128)
+        impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), wire)
+    return impls
+
+
+def time_call(fn, x, original, device, iters, group):
+    samples = []
+    for _ in range(iters):
+        x.copy_(original)
+        common.sync(device)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn(x)
+        common.sync(device)
+        samples.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's median
+    return float(t) * 1e3
+
+
+def relative_error(x, reference):
+    err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)], dtype=torch.float64)
+    dist.all_reduce(err)  # every rank holds the same result; summing keeps the ratio
+    return float((err[0] / err[1]).sqrt()) if err[1] > 0 else 0.0
+
+
+def bench(args, device):
+    n = dist.get_world_size()
+    rows = []
+    size = args.min_bytes
+    while size <= args.max_bytes:
+        numel = size // 4
+        original = gradient_like(numel, dist.get_rank(), device)
+        reference = original.double()
+        dist.all_reduce(reference)
+        reference /= n
+        x = torch.empty_like(original)
+        iters = max(3, min(50, int(args.budget_bytes // max(size, 1))))
+        base_ms = None
+        for name, (fn, wire_per_elem) in implementations(n, None).items():
+            if args.impls and not any(s in name for s in args.impls):
+                continue
+            x.copy_(original)
+            fn(x)  # warm-up: workspaces, connections
+            err = relative_error(x, reference)
+            ms = time_call(fn, x, original, device, iters, None)
+            base_ms = ms if name == "torch fp32" else base_ms
+            algbw = size / ms / 1e6
+            rows.append({"bytes": size, "count": numel, "impl": name, "time_ms": ms, "algbw": algbw,
+                         "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": int(numel * wire_per_elem),
+                         "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": err})
+        if dist.get_rank() == 0:
+            print(f"# done: {common.format_bytes(size)}", file=sys.stderr, flush=True)
+        size *= args.step
+    return rows
+
+
+def accuracy(device, numel=1 << 20):
+    """Relative L2 error vs fp64 per codec in groups of 2, 4, 8 ranks (as many as the world has)."""
+    world = dist.get_world_size()
+    rows = []
+    for n in (2, 4, 8):
+        if n > world:
+            break
+        group = dist.new_group(list(range(n)))
+        if dist.get_rank() >= n:
+            continue
+        original = gradient_like(numel, dist.get_rank(), device, seed=1)
+        reference = original.double()
+        dist.all_reduce(reference, group=group)
+        reference /= n
+        for name, (fn, _) in implementations(n, group).items():
+            x = original.clone()
+            fn(x)
+            err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)],
+                               dtype=torch.float64)
+            dist.all_reduce(err, group=group)
+            rows.append({"ranks": n, "impl": name, "error": float((err[0] / err[1]).sqrt())})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"))
+    parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"))
+    parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
+    parser.add_argument("--budget-bytes", type=parse_bytes, default=parse_bytes("1G"),
+                        help="iterations per row: about this many bytes, 3 to 50 iterations")
+    parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
+    parser.add_argument("--accuracy", action="store_true", help="print the accuracy table at n = 2, 4, 8 instead")
+    parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
+    parser.add_argument("--plot", help="write a PNG of busbw vs size here (rank 0)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.set_num_threads(1)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    title = (f"all-reduce, {n} ranks, {dist.get_backend()} on {common.machine_description(device)}; "
+             f"gradsync {gradsync.__version__}")
+    if args.accuracy:
+        rows = accuracy(device)
+        columns = [("ranks", "ranks", 6, str), ("impl", "impl", 24, str), ("rel L2 error", "error", 14, common.sci)]
+    else:
+        rows = bench(args, device)
+        columns = COLUMNS
+    if rank == 0:
+        common.print_table(title, rows, columns)
+        if args.json:
+            common.write_json(args.json, title, rows, {"ranks": n, "backend": dist.get_backend(),
+                                                       "gradsync": gradsync.__version__, "torch": torch.__version__})
+        if args.plot and not args.accuracy:
+            common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl")
+    gradsync.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
