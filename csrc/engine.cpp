@@ -39,13 +39,15 @@ void RingWork::complete(std::exception_ptr error) {
 RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : transport_(std::move(group)), worker_([this] { run(); }) {}
 
-RingEngine::~RingEngine() {
+RingEngine::~RingEngine() { stop(); }
+
+void RingEngine::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   queue_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
 }
 
 namespace {
@@ -169,6 +171,8 @@ void bind_ring(pybind11::module& m) {
       .def("is_completed", &RingWork::is_completed);
   py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>())
+      .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
+      .def("abandon_group", &RingEngine::abandon_group)
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
       .def(

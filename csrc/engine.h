@@ -43,6 +43,11 @@ class RingEngine {
   explicit RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group);
   ~RingEngine();
   std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
+  // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
+  void stop();
+  // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
+  // whose last release could block in the backend's teardown once peers have exited.
+  void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
 

@@ -125,11 +125,25 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     return None
 
 
+def _group_is_live(group):
+    if not dist.is_initialized():
+        return False
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return live is None or group in live
+
+
 def shutdown():
-    """Finishes every issued all-reduce and releases gradsync's per-group engines (threads, workspaces)."""
-    engines = list(_engines.values())
-    _engines.clear()
-    del engines
+    """Finishes every issued all-reduce and releases gradsync's per-group engines (threads, workspaces).
+
+    Call it before ``torch.distributed.destroy_process_group()``; it also runs at exit. A group that
+    torch.distributed has already destroyed is left to the process's exit rather than torn down here,
+    since tearing down a gloo group whose peers are gone can block.
+    """
+    while _engines:
+        group, engine = _engines.popitem()
+        engine.stop()
+        if not _group_is_live(group):
+            engine.abandon_group()
 
 
 atexit.register(shutdown)

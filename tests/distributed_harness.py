@@ -36,7 +36,8 @@ def _worker(rank, size, init_file, conn, group_timeout_s):
     finally:
         import gradsync
         gradsync.shutdown()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class World:
@@ -76,17 +77,21 @@ class World:
         return results
 
     def close(self):
+        """Stops every rank; returns True if all of them exited by themselves."""
         for conn in self.conns:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + 20
+        clean = True
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
+                clean = False
                 proc.kill()
                 proc.join(5)
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+        return clean

@@ -252,6 +252,23 @@ def test_a_dead_peer_makes_the_survivors_raise_within_the_timeout():
         world.close()
 
 
+def destroy_group_first(rank, size):
+    x = torch.randn(100000)
+    gradsync.all_reduce(x, codec="fp16")
+    dist.destroy_process_group()
+    start = time.monotonic()
+    gradsync.shutdown()
+    return time.monotonic() - start
+
+
+def test_exit_after_the_group_is_destroyed_does_not_hang():
+    world = World(3)
+    try:
+        assert max(world.run(destroy_group_first, timeout=60)) < 5
+    finally:
+        assert world.close(), "a rank did not exit by itself"
+
+
 def world_of_one(rank, size):
     x = torch.randn(3000)
     y = x.clone()

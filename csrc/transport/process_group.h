@@ -23,6 +23,7 @@ class ProcessGroupTransport : public Transport {
   int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override;
   void wait(int64_t handle) override;
   void wait_all() override;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
