@@ -22,10 +22,14 @@ import common  # noqa: E402
 
 import gradsync  # noqa: E402
 
-COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, str), ("impl", "impl", 24, str),
+COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, common.fixed(0)), ("impl", "impl", 26, str),
            ("time(ms)", "time_ms", 11, common.fixed(3)), ("algbw", "algbw", 9, common.fixed(3)),
            ("busbw", "busbw", 9, common.fixed(3)), ("wire", "wire_bytes", 10, common.format_bytes),
            ("vs fp32", "speedup", 9, common.ratio), ("error", "error", 10, common.sci)]
+
+
+ACCURACY_COLUMNS = [("ranks", "ranks", 6, common.fixed(0)), ("impl", "impl", 26, str),
+                    ("rel L2 error", "error", 14, common.sci)]
 
 
 def parse_bytes(text):
@@ -158,7 +162,7 @@ def main():
              f"gradsync {gradsync.__version__}")
     if args.accuracy:
         rows = accuracy(device)
-        columns = [("ranks", "ranks", 6, str), ("impl", "impl", 24, str), ("rel L2 error", "error", 14, common.sci)]
+        columns = ACCURACY_COLUMNS
     else:
         rows = bench(args, device)
         columns = COLUMNS

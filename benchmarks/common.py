@@ -79,14 +79,14 @@ def print_table(title, records, columns):
     dataclasses or dicts."""
     def value(r, key):
         return r[key] if isinstance(r, dict) else getattr(r, key)
+    def cell(i, text, width, fmt):  # text columns flush left, numbers flush right
+        if fmt is not str:
+            return f"{text:>{width}}"
+        return f"{text:<{width}}" if i == 0 else f"  {text:<{width - 2}}"
     print(f"# {title}")
-    print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, _, w, _) in enumerate(columns)))
+    print("".join(cell(i, h, w, fmt) for i, (h, _, w, fmt) in enumerate(columns)))
     for r in records:
-        cells = []
-        for i, (_, key, width, fmt) in enumerate(columns):
-            text = fmt(value(r, key))
-            cells.append(f"{text:<{width}}" if i == 0 else f"{text:>{width}}")
-        print("".join(cells))
+        print("".join(cell(i, fmt(value(r, key)), width, fmt) for i, (_, key, width, fmt) in enumerate(columns)))
 
 
 def fixed(digits):
@@ -101,8 +101,8 @@ def sci(v):
     return f"{v:.2e}" if v else "-"
 
 
-KERNEL_COLUMNS = [("case", "case", 16, str), ("op", "op", 28, str), ("count", "count", 12, str),
-                  ("tensors", "tensors", 8, str), ("size", "bytes_moved", 10, format_bytes),
+KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "count", 12, fixed(0)),
+                  ("tensors", "tensors", 8, fixed(0)), ("size", "bytes_moved", 10, format_bytes),
                   ("time(ms)", "time_ms", 11, fixed(3)), ("GB/s", "gbps", 9, fixed(1)), ("%copy", "pct_copy", 7, fixed(0)),
                   ("speedup", "speedup", 9, ratio), ("error", "error", 10, sci)]
 
