@@ -195,37 +195,32 @@ GS_AVX2 inline float absmax_finite_avx2(const float* v, int64_t n) {
   return r;
 }
 
-// Eight lanes of float_to_fp8<F> (numerics.h), branch-free.
+// Eight lanes of float_to_fp8<F> (numerics.h) for |v| up to the format's largest finite value
+// (larger values saturate), branch-free. The rounding itself is done by the FPU: adding and
+// subtracting C = 2^(e + 23 - M), e the lane's exponent (at least the format's smallest normal
+// one), rounds |v| to nearest-even on the format's grid; the code is then read off the bits.
 template <Fp8Format F>
 GS_AVX2 inline __m256i fp8_codes8(__m256 v, __m256i max_code) {
   using T = Fp8Traits<F>;
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
-  const __m256i one = _mm256_set1_epi32(1);
+  constexpr int kM = T::kManBits;
   const __m256i x = _mm256_castps_si256(v);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(x, 24), _mm256_set1_epi32(0x80));
-  const __m256i abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
-  const __m256i exp_field = _mm256_srli_epi32(abs, 23);
-  const __m256i is_normal = _mm256_cmpgt_epi32(exp_field, _mm256_setzero_si256());
-  const __m256i man = _mm256_or_si256(_mm256_and_si256(abs, _mm256_set1_epi32(0x7fffff)),
-                                      _mm256_and_si256(is_normal, _mm256_set1_epi32(0x800000)));
-  const __m256i exp = _mm256_sub_epi32(_mm256_max_epi32(exp_field, one), _mm256_set1_epi32(127));
-  const __m256i target_exp = _mm256_max_epi32(exp, _mm256_set1_epi32(1 - kBias));
-  __m256i shift = _mm256_add_epi32(_mm256_set1_epi32(23 - T::kManBits), _mm256_sub_epi32(target_exp, exp));
-  shift = _mm256_min_epi32(shift, _mm256_set1_epi32(25));  // >= 25 rounds to zero either way
-  __m256i q = _mm256_srlv_epi32(man, shift);
-  const __m256i rem = _mm256_and_si256(man, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
-  const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
-  const __m256i tie_odd = _mm256_and_si256(_mm256_cmpeq_epi32(rem, half),
-                                           _mm256_cmpeq_epi32(_mm256_and_si256(q, one), one));
-  q = _mm256_sub_epi32(q, _mm256_or_si256(_mm256_cmpgt_epi32(rem, half), tie_odd));  // +1 where rounding up
-  __m256i code = _mm256_add_epi32(
-      _mm256_slli_epi32(_mm256_add_epi32(target_exp, _mm256_set1_epi32(kBias - 1)), T::kManBits), q);
+  const __m256i abs_bits = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
+  const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(abs_bits), _mm256_set1_ps(T::kMax));
+  const __m256i exp = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000)),
+                                       _mm256_set1_epi32((127 + 1 - kBias) << 23));
+  const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(exp, _mm256_set1_epi32((23 - kM) << 23)));
+  const __m256 r = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(r), 23 - kM),
+                                          _mm256_set1_epi32((127 - kBias) << kM));
+  const __m256i subnormal = _mm256_cvtps_epi32(_mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias + kM - 1))));
+  const __m256 min_normal = _mm256_set1_ps(pow2(1 - kBias));
+  __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_castps_si256(_mm256_cmp_ps(r, min_normal, _CMP_LT_OQ)));
   code = _mm256_min_epi32(code, max_code);
-  const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
   const __m256i special = _mm256_blendv_epi8(_mm256_set1_epi32(T::kNanCode), _mm256_set1_epi32(T::kInfCode),
-                                             _mm256_cmpeq_epi32(abs, inf_bits));
-  const __m256i non_finite = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f7fffff));
-  code = _mm256_blendv_epi8(code, special, non_finite);
+                                             _mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000)));
+  code = _mm256_blendv_epi8(code, special, _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff)));
   return _mm256_or_si256(code, sign);
 }
 
