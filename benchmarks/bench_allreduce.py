@@ -172,7 +172,8 @@ def main():
             common.write_json(args.json, title, rows, {"ranks": n, "backend": dist.get_backend(),
                                                        "gradsync": gradsync.__version__, "torch": torch.__version__})
         if args.plot and not args.accuracy:
-            common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl")
+            common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl",
+                        xlabel="fp32 gradient bytes", ylabel="busbw (GB/s of fp32 data)")
     gradsync.shutdown()
     dist.destroy_process_group()
 

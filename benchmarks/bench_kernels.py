@@ -144,7 +144,8 @@ def main():
         common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
                                                    "gradsync": gradsync.__version__, "torch": torch.__version__})
     if args.plot:
-        common.plot(args.plot, title, [r for r in rows if r.case.startswith("buffer")])
+        common.plot(args.plot, title, [r for r in rows if r.case.startswith("buffer")], xlabel="bytes read + written",
+                    ylabel="GB/s")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def write_json(path, title, rows, meta):
                   indent=1)
 
 
-def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op"):
+def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op", xlabel=None, ylabel=None):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -127,8 +127,8 @@ def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op"):
         pts = sorted((get(r, x), get(r, y)) for r in rows if get(r, group) == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ax.set_xscale("log")
-    ax.set_xlabel(x.replace("_", " "))
-    ax.set_ylabel(y)
+    ax.set_xlabel(xlabel or x.replace("_", " "))
+    ax.set_ylabel(ylabel or y)
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
