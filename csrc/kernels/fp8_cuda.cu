@@ -11,6 +11,29 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPerLane = kFp8BlockSize / 32;
 
+// One warp encodes block b from the kPerLane values each lane holds (element b*128 + j*32 + lane).
+template <Fp8Format F>
+__device__ __forceinline__ void encode_block_warp(const float (&v)[kPerLane], int64_t b, int64_t n, int lane,
+                                                  uint8_t* codes, float* scales) {
+  float absmax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float a = fabsf(v[j]);
+    if (a <= 3.40282347e38f) absmax = fmaxf(absmax, a);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+  const int k = fp8_block_exponent<F>(absmax);
+  const float mul = pow2(k);
+  const uint32_t max_code = fp8_block_max_code<F>(k);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+    if (i < n) codes[i] = float_to_fp8<F>(v[j] * mul, max_code);
+  }
+  if (lane == 0) scales[b] = pow2(-k);
+}
+
 template <Fp8Format F, DType S>
 __global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, int64_t n, float scale,
                                                               uint8_t* payload) {
@@ -21,25 +44,12 @@ __global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, i
   float* scales = reinterpret_cast<float*>(payload + fp8_scales_offset(n));
   for (int64_t b = warp; b < num_blocks; b += num_warps) {
     float v[kPerLane];
-    float absmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t i = b * kFp8BlockSize + j * 32 + lane;
       v[j] = i < n ? load_one<S>(src, i) * scale : 0.0f;
-      const float a = fabsf(v[j]);
-      if (a <= 3.40282347e38f) absmax = fmaxf(absmax, a);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
-    const int k = fp8_block_exponent<F>(absmax);
-    const float mul = pow2(k);
-    const uint32_t max_code = fp8_block_max_code<F>(k);
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
-      if (i < n) payload[i] = float_to_fp8<F>(v[j] * mul, max_code);
-    }
-    if (lane == 0) scales[b] = pow2(-k);
+    encode_block_warp<F>(v, b, n, lane, payload, scales);
   }
   const int64_t pad = fp8_scales_offset(n) - n;
   if (blockIdx.x == 0 && threadIdx.x < pad) payload[n + threadIdx.x] = 0;
@@ -58,25 +68,12 @@ __global__ void __launch_bounds__(kThreads) fp8_reduce_encode_kernel(const uint8
   for (int64_t b = warp; b < num_blocks; b += num_warps) {
     const float in_scale = in_scales[b];
     float v[kPerLane];
-    float absmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t i = b * kFp8BlockSize + j * 32 + lane;
       v[j] = i < n ? fp8_to_float<F>(in[i]) * in_scale + load_one<L>(local, i) * prescale : 0.0f;
-      const float a = fabsf(v[j]);
-      if (a <= 3.40282347e38f) absmax = fmaxf(absmax, a);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
-    const int k = fp8_block_exponent<F>(absmax);
-    const float mul = pow2(k);
-    const uint32_t max_code = fp8_block_max_code<F>(k);
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
-      if (i < n) out[i] = float_to_fp8<F>(v[j] * mul, max_code);
-    }
-    if (lane == 0) out_scales[b] = pow2(-k);
+    encode_block_warp<F>(v, b, n, lane, out, out_scales);
   }
   const int64_t pad = fp8_scales_offset(n) - n;
   if (blockIdx.x == 0 && threadIdx.x < pad) out[n + threadIdx.x] = 0;

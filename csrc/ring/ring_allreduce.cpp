@@ -6,25 +6,23 @@
 
 namespace gradsync {
 
-CpuRingKernels::CpuRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale,
-                               float postscale)
+CodecRingKernels::CodecRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale,
+                                   float postscale)
     : codec_(codec), local_(local), result_(result), dtype_(dtype),
       wire_(codec == Codec::kFp16 ? DType::kFloat16 : codec == Codec::kBf16 ? DType::kBFloat16 : dtype),
       prescale_(prescale), postscale_(postscale) {}
 
 namespace {
-bool is_fp8(Codec c) { return c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2; }
-Fp8Format fp8_format(Codec c) { return c == Codec::kFp8E4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2; }
 int mod(int x, int n) { return ((x % n) + n) % n; }
 }  // namespace
 
-int64_t CpuRingKernels::payload_bytes(int64_t n) const {
-  return is_fp8(codec_) ? fp8_payload_bytes(n) : n * dtype_size(wire_);
+int64_t CodecRingKernels::payload_bytes(int64_t n) const {
+  return fp8() ? fp8_payload_bytes(n) : n * dtype_size(wire_);
 }
 
 void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
-  if (is_fp8(codec_)) {
-    fp8_encode_cpu(fp8_format(codec_), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
+  if (fp8()) {
+    fp8_encode_cpu(fp8_format(), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
                    fp8_num_blocks(n));
   } else {
     convert_cpu(local_at(begin), dtype_, out, wire_, n, prescale_);
@@ -32,8 +30,8 @@ void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
 }
 
 void CpuRingKernels::reduce_encode(const void* in, int64_t begin, int64_t n, void* out) {
-  if (is_fp8(codec_)) {
-    fp8_reduce_encode_cpu(fp8_format(codec_), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n, prescale_,
+  if (fp8()) {
+    fp8_reduce_encode_cpu(fp8_format(), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n, prescale_,
                           static_cast<uint8_t*>(out));
   } else {
     reduce_cast_cpu(in, wire_, local_at(begin), dtype_, n, prescale_, out);
@@ -41,9 +39,9 @@ void CpuRingKernels::reduce_encode(const void* in, int64_t begin, int64_t n, voi
 }
 
 void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
-  void* dst = static_cast<char*>(result_) + begin * dtype_size(dtype_);
-  if (is_fp8(codec_)) {
-    fp8_decode_cpu(fp8_format(codec_), static_cast<const uint8_t*>(in), n, postscale_, dst, dtype_, 0,
+  void* dst = result_at(begin);
+  if (fp8()) {
+    fp8_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), n, postscale_, dst, dtype_, 0,
                    fp8_num_blocks(n));
   } else {
     convert_cpu(in, wire_, dst, dtype_, n, postscale_);
@@ -51,8 +49,7 @@ void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
 }
 
 void* CpuRingKernels::result_as_payload(int64_t begin) {
-  if (codec_ != Codec::kNone || postscale_ != 1.0f) return nullptr;
-  return static_cast<char*>(result_) + begin * dtype_size(dtype_);
+  return codec_ == Codec::kNone && postscale_ == 1.0f ? result_at(begin) : nullptr;
 }
 
 uint32_t ring_tag_span(const RingPlan& plan) {

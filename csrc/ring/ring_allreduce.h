@@ -30,18 +30,18 @@ class RingKernels {
   virtual void* result_as_payload(int64_t begin) { (void)begin; return nullptr; }
 };
 
-// The host-memory kernels: local and result are contiguous arrays (they may be the same).
-class CpuRingKernels : public RingKernels {
+// What the kernels of one codec share: local and result are contiguous arrays of `dtype` (they may
+// be the same); the cast codecs carry `wire_` elements.
+class CodecRingKernels : public RingKernels {
  public:
-  CpuRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale);
+  CodecRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale);
   int64_t payload_bytes(int64_t n) const override;
-  void encode(int64_t begin, int64_t n, void* out) override;
-  void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
-  void decode(const void* in, int64_t begin, int64_t n) override;
-  void* result_as_payload(int64_t begin) override;
 
- private:
+ protected:
+  bool fp8() const { return codec_ == Codec::kFp8E4M3 || codec_ == Codec::kFp8E5M2; }
+  Fp8Format fp8_format() const { return codec_ == Codec::kFp8E4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2; }
   const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
+  void* result_at(int64_t begin) const { return static_cast<char*>(result_) + begin * dtype_size(dtype_); }
   Codec codec_;
   const void* local_;
   void* result_;
@@ -49,27 +49,31 @@ class CpuRingKernels : public RingKernels {
   float prescale_, postscale_;
 };
 
+// The host-memory kernels.
+class CpuRingKernels : public CodecRingKernels {
+ public:
+  using CodecRingKernels::CodecRingKernels;
+  void encode(int64_t begin, int64_t n, void* out) override;
+  void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
+  void decode(const void* in, int64_t begin, int64_t n) override;
+  void* result_as_payload(int64_t begin) override;
+};
+
 #ifdef GRADSYNC_WITH_CUDA
 // The CUDA kernels on one stream. With `synchronize`, every call returns after its kernel has
 // finished, so that a host transport may read what it wrote; payload images may then live in
 // pinned host memory, which the kernels read and write directly.
-class CudaRingKernels : public RingKernels {
+class CudaRingKernels : public CodecRingKernels {
  public:
   CudaRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale,
-                  cudaStream_t stream, bool synchronize = true);
-  int64_t payload_bytes(int64_t n) const override;
+                  cudaStream_t stream, bool synchronize = true)
+      : CodecRingKernels(codec, local, result, dtype, prescale, postscale), stream_(stream), synchronize_(synchronize) {}
   void encode(int64_t begin, int64_t n, void* out) override;
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
 
  private:
   void finish(cudaError_t launched);
-  const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
-  Codec codec_;
-  const void* local_;
-  void* result_;
-  DType dtype_, wire_;
-  float prescale_, postscale_;
   cudaStream_t stream_;
   bool synchronize_;
 };
