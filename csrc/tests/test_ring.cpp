@@ -1,0 +1,196 @@
+// The ring schedule on an in-process transport: the plan's chunk/slice/layout arithmetic, and whole
+// all-reduces on threads (one per rank) whose results must agree bitwise and match the exact sum.
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "check.h"
+#include "ring/ring_allreduce.h"
+
+using namespace gradsync;
+
+namespace {
+
+// Rendezvous semantics like gloo's: a message moves once both its send and its receive are posted,
+// and its sizes must match.
+class Hub {
+ public:
+  struct Message {
+    const void* send_data = nullptr;
+    void* recv_data = nullptr;
+    int64_t send_bytes = -1, recv_bytes = -1;
+    bool done = false;
+    std::string error;
+  };
+  std::shared_ptr<Message> post(int src, int dst, uint32_t tag, const void* send, void* recv, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& queue = pending_[{src, dst, tag}];
+    const bool is_send = send != nullptr;
+    std::shared_ptr<Message> m;
+    for (auto& candidate : queue) {  // the oldest message still missing this side
+      if ((is_send ? candidate->send_bytes : candidate->recv_bytes) < 0) { m = candidate; break; }
+    }
+    if (!m) queue.push_back(m = std::make_shared<Message>());
+    if (is_send) { m->send_data = send; m->send_bytes = bytes; } else { m->recv_data = recv; m->recv_bytes = bytes; }
+    if (m->send_bytes >= 0 && m->recv_bytes >= 0) {
+      if (m->send_bytes != m->recv_bytes) m->error = "size mismatch";
+      else std::memcpy(m->recv_data, m->send_data, m->send_bytes);
+      m->done = true;
+      queue.erase(std::find(queue.begin(), queue.end(), m));
+      cv_.notify_all();
+    }
+    return m;
+  }
+  void wait(const std::shared_ptr<Message>& m) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!cv_.wait_for(lock, std::chrono::seconds(20), [&] { return m->done; })) throw std::runtime_error("timeout");
+    if (!m->error.empty()) throw std::runtime_error(m->error);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::tuple<int, int, uint32_t>, std::vector<std::shared_ptr<Message>>> pending_;
+};
+
+class LocalTransport : public Transport {
+ public:
+  LocalTransport(Hub& hub, int rank, int size) : hub_(hub), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override {
+    messages_.push_back(hub_.post(rank_, peer, tag, data, nullptr, bytes));
+    return static_cast<int64_t>(messages_.size()) - 1;
+  }
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
+    messages_.push_back(hub_.post(peer, rank_, tag, nullptr, data, bytes));
+    return static_cast<int64_t>(messages_.size()) - 1;
+  }
+  void wait(int64_t handle) override { hub_.wait(messages_.at(handle)); }
+  void wait_all() override {
+    for (auto& m : messages_) hub_.wait(m);
+    messages_.clear();
+  }
+
+ private:
+  Hub& hub_;
+  int rank_, size_;
+  std::vector<std::shared_ptr<Hub::Message>> messages_;
+};
+
+void check_plan(int64_t numel, int ranks, int64_t slice) {
+  const RingPlan plan(numel, ranks, slice);
+  int64_t covered = 0;
+  for (int c = 0; c < ranks; ++c) {
+    CHECK(plan.chunk_begin(c) == covered, "numel %ld ranks %d: chunk %d starts at %ld", long(numel), ranks, c,
+          long(plan.chunk_begin(c)));
+    CHECK(plan.chunk_begin(c) % kRingAlign == 0 || plan.chunk_len(c) == 0, "chunk %d misaligned", c);
+    CHECK(plan.slices(c) <= plan.max_slices(), "chunk %d has more slices than chunk 0", c);
+    int64_t in_chunk = 0;
+    for (int k = 0; k < plan.slices(c); ++k) {
+      CHECK(plan.slice_begin(c, k) == plan.chunk_begin(c) + in_chunk, "slice %d/%d starts wrong", c, k);
+      CHECK(plan.slice_len(c, k) > 0 && plan.slice_begin(c, k) % kRingAlign == 0, "slice %d/%d empty or misaligned", c, k);
+      in_chunk += plan.slice_len(c, k);
+    }
+    CHECK(in_chunk == plan.chunk_len(c), "chunk %d slices cover %ld of %ld", c, long(in_chunk), long(plan.chunk_len(c)));
+    covered += plan.chunk_len(c);
+  }
+  CHECK(covered == numel, "chunks cover %ld of %ld", long(covered), long(numel));
+  std::vector<int64_t> offsets;
+  const int64_t image = plan.layout([](int64_t n) { return fp8_payload_bytes(n); }, offsets);
+  int64_t expected_end = 0;
+  for (int c = 0; c < ranks; ++c) {
+    for (int k = 0; k < plan.slices(c); ++k) {
+      const int64_t at = offsets[static_cast<size_t>(c) * plan.max_slices() + k];
+      CHECK(at % 16 == 0 && at == expected_end, "payload %d/%d at %ld", c, k, long(at));
+      expected_end = at + (fp8_payload_bytes(plan.slice_len(c, k)) + 15) / 16 * 16;
+    }
+  }
+  CHECK(image == expected_end, "image size %ld", long(image));
+}
+
+void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice) {
+  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
+  std::vector<double> exact(numel, 0.0);
+  std::mt19937 rng(static_cast<uint32_t>(numel * 31 + ranks));
+  std::uniform_int_distribution<int> small(-8, 8);
+  for (auto& d : data) {
+    for (int64_t i = 0; i < numel; ++i) {
+      d[i] = static_cast<float>(small(rng));  // small integers: every partial sum is exact in fp16 and bf16
+      exact[i] += d[i];
+    }
+  }
+  Hub hub;
+  const RingPlan plan(numel, ranks, slice);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        LocalTransport transport(hub, r, ranks);
+        CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
+        std::vector<int64_t> offsets;
+        const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+        std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
+        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), 1.0f, 1.0f, slice}, 1u << 20);
+        ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) CHECK(errors[r].empty(), "rank %d: %s", r, errors[r].c_str());
+  for (int r = 1; r < ranks; ++r) {
+    CHECK(std::memcmp(data[r].data(), data[0].data(), numel * 4) == 0, "ranks %d numel %ld codec %d: rank %d differs",
+          ranks, long(numel), int(codec), r);
+  }
+  // fp8: at most one rounding of relative size `rel` per hop, of partial sums below 8 * ranks
+  const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
+  for (int64_t i = 0; i < numel; ++i) {
+    const double tolerance = ranks * rel * 8.0 * ranks;
+    CHECK(std::fabs(data[0][i] - exact[i]) <= tolerance, "ranks %d numel %ld codec %d: [%ld] %g vs %g", ranks,
+          long(numel), int(codec), long(i), data[0][i], exact[i]);
+  }
+}
+
+}  // namespace
+
+int main() {
+  for (int ranks = 1; ranks <= 6; ++ranks) {
+    for (int64_t numel : {0L, 1L, 5L, 127L, 128L, 129L, 1009L, 100003L}) {
+      for (int64_t slice : {1L, 128L, 1000L, 1L << 20}) check_plan(numel, ranks, slice);
+    }
+  }
+  const Codec codecs[] = {Codec::kNone, Codec::kFp16, Codec::kBf16, Codec::kFp8E4M3, Codec::kFp8E5M2};
+  for (int ranks = 1; ranks <= 5; ++ranks) {
+    for (int64_t numel : {0L, 1L, static_cast<int64_t>(ranks - 1), 127L, 129L, 1009L, 40000L}) {
+      for (Codec codec : codecs) check_allreduce(ranks, numel, codec, 256);
+    }
+  }
+  // a disagreeing rank makes every rank throw
+  Hub hub;
+  std::vector<std::thread> threads;
+  std::vector<int> threw(3, 0);
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      LocalTransport transport(hub, r, 3);
+      try {
+        check_ring_call(transport, RingCall{r == 1 ? 11 : 10, 0, 1, 1.0f, 1.0f, 256}, 0);
+      } catch (const std::invalid_argument&) {
+        threw[r] = 1;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(threw[0] && threw[1] && threw[2], "disagreement not seen by every rank");
+  return gradsync_test::finish("ring");
+}
