@@ -1,5 +1,7 @@
 // The ring schedule on an in-process transport: the plan's chunk/slice/layout arithmetic, and whole
 // all-reduces on threads (one per rank) whose results must agree bitwise and match the exact sum.
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <mutex>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
