@@ -282,6 +282,29 @@ def test_world_of_one_applies_the_codec_and_nothing_else(worlds):
     assert worlds(1).run(world_of_one) == [(True, True)]
 
 
+def cuda_matches_cpu(rank, size):
+    """The ring on CUDA tensors (over gloo, through pinned host memory) against the same ring on CPU
+    tensors: the per-hop CUDA kernels are twins of the CPU ones, so every bit must agree."""
+    torch.cuda.set_device(0)  # all ranks share one GPU: gloo, unlike NCCL, allows it
+    same = {}
+    for codec in gradsync.CODECS:
+        for dtype_name, dtype in DTYPES.items():
+            x = rank_input(rank, 100003, dtype, seed=5)
+            on_cpu = x.clone()
+            gradsync.all_reduce(on_cpu, codec=codec)
+            on_gpu = x.cuda()
+            gradsync.all_reduce(on_gpu, codec=codec)
+            same[(codec, dtype_name)] = torch.equal(on_gpu.cpu().view(torch.uint8), on_cpu.view(torch.uint8))
+    return same
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size", [1, 3])
+def test_ring_on_one_gpu_matches_the_cpu_ring_bitwise(worlds, size):
+    for same in worlds(size).run(cuda_matches_cpu):
+        assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
 def test_scales():
     assert resolve_scales("avg", 4) == (0.25, 1.0)
     assert resolve_scales("sum", 4) == (1.0, 1.0)
