@@ -1,5 +1,8 @@
 #include "engine.h"
 
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <optional>
 #include <stdexcept>
 
 #include "ring/ring_allreduce.h"
@@ -16,6 +19,11 @@ constexpr uint32_t kTagBase = 1u << 30;  // gradsync's tags: [2^30, 2^31)
 constexpr uint32_t kTagsPerCall = 1u << 24;
 constexpr uint32_t kCallSlots = 64;
 
+RingWork::RingWork(const at::Tensor& tensor)
+    : tensor_(tensor),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::TensorType::get(), tensor.is_cuda() ? std::vector<c10::Device>{tensor.device()} : std::vector<c10::Device>{})) {}
+
 void RingWork::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] { return done_; });
@@ -31,9 +39,13 @@ void RingWork::complete(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     done_ = true;
-    error_ = std::move(error);
+    error_ = error;
   }
   done_cv_.notify_all();
+  // after the waiters are released: the future's callbacks run here, on the engine's thread
+  if (error) future_->setError(error);
+  else future_->markCompleted(c10::IValue(tensor_));
+  tensor_ = at::Tensor();
 }
 
 RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
@@ -64,7 +76,13 @@ DType dtype_of(const at::Tensor& t) {
 std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOptions& options) {
   TORCH_CHECK(tensor.is_contiguous(), "gradsync.all_reduce: the tensor must be contiguous");
   dtype_of(tensor);
-  Job job{tensor, options, std::make_shared<RingWork>()};
+  if (options.residual.defined()) {
+    const at::Tensor& r = options.residual;
+    TORCH_CHECK(r.scalar_type() == at::kFloat && r.is_contiguous() && r.numel() == tensor.numel() &&
+                    r.device() == tensor.device(),
+                "gradsync.all_reduce: the residual must be a contiguous float32 tensor with the tensor's numel and device");
+  }
+  Job job{tensor, options, std::make_shared<RingWork>(tensor)};
 #ifdef GRADSYNC_WITH_CUDA
   if (tensor.is_cuda()) {
     // the worker starts once the caller's stream has produced the tensor
@@ -111,6 +129,7 @@ void RingEngine::run() {
       job.work->complete(std::current_exception());
     }
     job.tensor = at::Tensor();
+    job.options.residual = at::Tensor();
   }
 }
 
@@ -119,6 +138,13 @@ uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, bool pinned) {
     buffer = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
   }
   return buffer.data_ptr<uint8_t>();
+}
+
+float* RingEngine::scratch(int64_t floats, const at::Device& device) {
+  if (!scratch_.defined() || scratch_.numel() < floats || scratch_.device() != device) {
+    scratch_ = at::empty({std::max<int64_t>(floats, 1)}, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+  return scratch_.data_ptr<float>();
 }
 
 void RingEngine::execute(Job& job) {
@@ -157,6 +183,11 @@ void RingEngine::execute(Job& job) {
     kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                                                static_cast<float>(o.postscale));
   }
+  if (o.residual.defined()) {
+    const int64_t stride = plan.max_slice_len();
+    static_cast<CodecRingKernels&>(*kernels).set_error_feedback(o.residual.data_ptr<float>(),
+                                                               scratch(2 * stride, t.device()), stride);
+  }
   std::vector<int64_t> offsets;
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
   uint8_t* recv_image = workspace(recv_image_, image_bytes, pinned);
@@ -168,7 +199,8 @@ void bind_ring(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
-      .def("is_completed", &RingWork::is_completed);
+      .def("is_completed", &RingWork::is_completed)
+      .def("get_future", [](const RingWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
   py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>())
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
@@ -178,11 +210,12 @@ void bind_ring(pybind11::module& m) {
       .def(
           "all_reduce",
           [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,
-             int64_t slice_bytes) {
-            return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes});
+             int64_t slice_bytes, std::optional<at::Tensor> residual) {
+            return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes,
+                                                               residual.value_or(at::Tensor())});
           },
           py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
-          py::arg("slice_bytes"));
+          py::arg("slice_bytes"), py::arg("residual") = py::none());
 }
 
 }  // namespace gradsync

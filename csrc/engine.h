@@ -2,6 +2,7 @@
 // order they were issued (the same order on every rank), with workspaces reused across calls.
 #pragma once
 
+#include <ATen/core/ivalue.h>
 #include <torch/extension.h>
 
 #include <condition_variable>
@@ -16,14 +17,18 @@
 
 namespace gradsync {
 
-// Completion of one asynchronous all-reduce.
+// Completion of one asynchronous all-reduce, also as a torch Future holding the tensor.
 class RingWork {
  public:
+  explicit RingWork(const at::Tensor& tensor);
   void wait();  // blocks; rethrows the all-reduce's error
   bool is_completed();
   void complete(std::exception_ptr error);
+  c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }
 
  private:
+  at::Tensor tensor_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex mutex_;
   std::condition_variable done_cv_;
   bool done_ = false;
@@ -36,6 +41,7 @@ struct RingOptions {
   double postscale;
   bool check_call;
   int64_t slice_bytes;
+  at::Tensor residual;  // undefined, or fp32 like the tensor: error feedback (see CodecRingKernels)
 };
 
 class RingEngine {
@@ -63,6 +69,7 @@ class RingEngine {
   void run();
   void execute(Job& job);
   uint8_t* workspace(at::Tensor& buffer, int64_t bytes, bool pinned);
+  float* scratch(int64_t floats, const at::Device& device);
 
   ProcessGroupTransport transport_;
   std::mutex mutex_;
@@ -71,7 +78,7 @@ class RingEngine {
   bool stopping_ = false;
   std::string broken_;  // set once a transport failure left messages in flight
   uint32_t sequence_ = 0;
-  at::Tensor recv_image_, send_image_;
+  at::Tensor recv_image_, send_image_, scratch_;
   std::thread worker_;
 };
 

@@ -37,6 +37,14 @@ class AllReduceWork:
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
+    def get_future(self) -> torch.futures.Future:  # a torch._C.Future, like Work.get_future()
+        """A ``torch.futures.Future`` completed with the reduced tensor (or the all-reduce's error).
+
+        Its callbacks run on gradsync's communication thread: keep them short, and never wait in one
+        for another gradsync all-reduce of the same group.
+        """
+        return self._work.get_future()
+
 
 def _check_scale(value, name):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value == 0:
@@ -71,6 +79,16 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     return prescale, postscale
 
 
+def _check_residual(residual, tensor):
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if residual.dtype != torch.float32 or not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous float32 tensor, got {residual.dtype}")
+    if residual.numel() != tensor.numel() or residual.device != tensor.device:
+        raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
+                         f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")
+
+
 def _resolve_group(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradsync.all_reduce needs torch.distributed to be initialized "
@@ -93,7 +111,7 @@ def _engine(group):
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
-               check_call: bool = True):
+               check_call: bool = True, residual: Optional[torch.Tensor] = None):
     """All-reduces ``tensor`` in place across ``group`` (default: the default group).
 
     ``op``: "avg" (default) or "sum". ``codec``: the wire format, one of :data:`gradsync.CODECS`
@@ -102,6 +120,11 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must
     be the same on every rank. ``check_call`` first verifies (one small exchange) that every rank
     passes the same numel, dtype, codec and scaling, and raises on every rank if not.
+
+    ``residual`` (error feedback): a contiguous float32 tensor with ``tensor``'s numel and device,
+    zeros at first. It is added to this rank's contribution before that is encoded, and overwritten
+    with what the encoding lost; every rank encodes each element exactly once per call, so the
+    residuals of all ranks sum to the error of the result and the next call pays it back.
 
     The tensor must be contiguous float32/float16/bfloat16, on CPU or CUDA. It is written only once
     every message has arrived: on failure it is left unchanged.
@@ -115,9 +138,12 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensor is on {tensor.device}; gradsync.all_reduce takes CPU or CUDA tensors")
     _check_codec(codec)
+    if residual is not None:
+        _check_residual(residual, tensor)
     group = _resolve_group(group)
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-    work = _engine(group).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES)
+    work = _engine(group).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES,
+                                     residual)
     handle = AllReduceWork(work, tensor)
     if async_op:
         return handle

@@ -170,6 +170,53 @@ def test_two_async_all_reduces_in_flight(worlds):
     assert len({d for _, d in results}) == 1
 
 
+def future_calls(rank, size):
+    x = rank_input(rank, 5000, torch.float32, seed=3)
+    expected = x.clone()
+    gradsync.all_reduce(expected, codec="fp16")
+    fut = gradsync.all_reduce(x, codec="fp16", async_op=True).get_future()
+    doubled = fut.then(lambda f: f.value() * 2)
+    assert isinstance(fut, torch._C.Future)  # what torch.distributed Work.get_future() returns too
+    value = fut.wait()
+    assert value is x or value.data_ptr() == x.data_ptr()
+    return torch.equal(value, expected) and torch.equal(doubled.wait(), expected * 2)
+
+
+def test_the_future_holds_the_reduced_tensor(worlds):
+    assert all(worlds(2).run(future_calls))
+
+
+def error_feedback_calls(rank, size, codec):
+    """The residuals of all ranks sum to the result's error; repeated calls pay it back."""
+    numel = 70001
+    inputs = [rank_input(r, numel, torch.float32, seed=4) for r in range(size)]
+    exact = torch.stack([x.double() for x in inputs]).sum(0) / size
+    residual = torch.zeros(numel)
+    x = inputs[rank].clone()
+    gradsync.all_reduce(x, codec=codec, residual=residual)
+    total = residual.clone()
+    torch.distributed.all_reduce(total)
+    accounted = float((x.double() + total.double() - exact).norm() / exact.norm())
+    one_call = float((x.double() - exact).norm() / exact.norm())
+    mean = x.double()
+    steps = 16
+    for _ in range(steps - 1):
+        x = inputs[rank].clone()
+        gradsync.all_reduce(x, codec=codec, residual=residual)
+        mean += x.double()
+    averaged = float((mean / steps - exact).norm() / exact.norm())
+    return accounted, one_call, averaged, digest(x)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_error_feedback_residuals_account_for_the_error(worlds, codec):
+    results = worlds(3).run(error_feedback_calls, codec)
+    assert len({r[3] for r in results}) == 1
+    accounted, one_call, averaged, _ = results[0]
+    assert accounted < 1e-6 < one_call
+    assert averaged < one_call / 8
+
+
 def disagreeing_calls(rank, size):
     messages = []
     for kind in ("numel", "dtype", "codec", "scale"):
@@ -325,6 +372,9 @@ def test_scales():
     (lambda: gradsync.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor"),
     (lambda: gradsync.all_reduce(torch.randn(4), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.all_reduce(torch.randn(4)), RuntimeError, "torch.distributed to be initialized"),
+    (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(4, dtype=torch.float16)), ValueError,
+     "residual must be a contiguous float32"),
+    (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(5)), ValueError, "residual must match"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error) as info:

@@ -24,6 +24,7 @@ class RingPlan {
   int64_t chunk_len(int c) const { return std::min(numel_, (c + 1) * chunk_) - chunk_begin(c); }
   int slices(int c) const { return static_cast<int>((chunk_len(c) + slice_ - 1) / slice_); }
   int max_slices() const { return slices(0); }  // chunk 0 is never shorter than another
+  int64_t max_slice_len() const { return std::min(slice_, chunk_len(0)); }
   int64_t slice_begin(int c, int k) const { return chunk_begin(c) + k * slice_; }
   int64_t slice_len(int c, int k) const { return std::min(slice_, chunk_len(c) - k * slice_); }
 
