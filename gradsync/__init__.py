@@ -8,6 +8,8 @@ from ._extension import load as _load
 _build_info, _C = _load()
 __version__ = _build_info.version
 
+from . import hooks  # noqa: E402
+from .data_parallel import DataParallel  # noqa: E402
 from .distributed import AllReduceWork, all_reduce, shutdown  # noqa: E402
 from .ops import (  # noqa: E402
     CODECS,
@@ -19,5 +21,5 @@ from .ops import (  # noqa: E402
     unflatten,
 )
 
-__all__ = ["AllReduceWork", "CODECS", "FP8_BLOCK_SIZE", "all_reduce", "compress", "decompress", "flatten",
-           "payload_nbytes", "shutdown", "unflatten", "__version__"]
+__all__ = ["AllReduceWork", "CODECS", "DataParallel", "FP8_BLOCK_SIZE", "all_reduce", "compress", "decompress", "flatten",
+           "hooks", "payload_nbytes", "shutdown", "unflatten", "__version__"]

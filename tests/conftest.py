@@ -4,6 +4,7 @@ from hypothesis import settings
 
 
 import gradsync
+from distributed_harness import World
 from gradsync import _C
 
 # Property tests draw the same examples on every run: a failure here is reproducible, never flaky.
@@ -21,6 +22,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """worlds(n): a World of n gloo ranks, started once per test module."""
+    made = {}
+
+    def get(size):
+        if size not in made:
+            made[size] = World(size)
+        return made[size]
+    yield get
+    for world in made.values():
+        world.close()
 
 
 @pytest.fixture(params=CPU_ISAS)

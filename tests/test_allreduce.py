@@ -85,19 +85,6 @@ def check_results(per_rank):
         assert max(ratios) <= 1.0, f"{case}: error {max(ratios):.3g} x the bound"
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    made = {}
-
-    def get(size):
-        if size not in made:
-            made[size] = World(size)
-        return made[size]
-    yield get
-    for world in made.values():
-        world.close()
-
-
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_every_codec_dtype_op_and_size_matches_fp64(worlds, size):
     numels = sorted({0, 1, max(size - 1, 1), 1009, 2**20 + 3})
@@ -205,6 +192,10 @@ def error_feedback_calls(rank, size, codec):
         gradsync.all_reduce(x, codec=codec, residual=residual)
         mean += x.double()
     averaged = float((mean / steps - exact).norm() / exact.norm())
+    overflow = inputs[rank].clone()
+    overflow[::7] = float("inf")  # an overflowed step leaves no non-finite residual behind
+    gradsync.all_reduce(overflow, codec=codec, residual=residual)
+    assert torch.isfinite(residual).all() and not torch.isfinite(overflow[::7]).any()
     return accounted, one_call, averaged, digest(x)
 
 
@@ -342,6 +333,16 @@ def cuda_matches_cpu(rank, size):
             on_gpu = x.cuda()
             gradsync.all_reduce(on_gpu, codec=codec)
             same[(codec, dtype_name)] = torch.equal(on_gpu.cpu().view(torch.uint8), on_cpu.view(torch.uint8))
+        # error feedback, with an overflow in the inputs
+        x = rank_input(rank, 100003, torch.float32, seed=6)
+        x[::11] = float("inf")
+        residual = rank_input(rank, 100003, torch.float32, seed=7) * 1e-3
+        on_cpu, cpu_residual = x.clone(), residual.clone()
+        gradsync.all_reduce(on_cpu, codec=codec, residual=cpu_residual)
+        on_gpu, gpu_residual = x.cuda(), residual.cuda()
+        gradsync.all_reduce(on_gpu, codec=codec, residual=gpu_residual)
+        same[(codec, "feedback")] = (torch.equal(on_gpu.cpu().view(torch.uint8), on_cpu.view(torch.uint8))
+                                     and torch.equal(gpu_residual.cpu().view(torch.uint8), cpu_residual.view(torch.uint8)))
     return same
 
 

@@ -445,6 +445,13 @@ void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* loca
   else fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out);
 }
 
+void feedback_residual_cpu(const float* sum, const float* decoded, int64_t n, float* residual) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = sum[i] - decoded[i];
+    residual[i] = std::isfinite(r) ? r : 0.0f;
+  }
+}
+
 bool set_cpu_isa(const char* name) {
   Isa isa;
   if (std::strcmp(name, "auto") == 0) {

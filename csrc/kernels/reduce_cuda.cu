@@ -27,6 +27,15 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const void* src, void
   }
 }
 
+__global__ void __launch_bounds__(kThreads) feedback_residual_kernel(const float* sum, const float* decoded, int64_t n,
+                                                                     float* residual) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float r = sum[i] - decoded[i];
+    residual[i] = isfinite(r) ? r : 0.0f;
+  }
+}
+
 unsigned grid_for(int64_t n) {
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, max_resident_blocks(kThreads));
   return static_cast<unsigned>(std::max<int64_t>(1, blocks));
@@ -62,6 +71,13 @@ cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_
     case DType::kFloat16: launch_convert<DType::kFloat16>(src, dst, dst_dtype, n, scale, stream); break;
     default: launch_convert<DType::kBFloat16>(src, dst, dst_dtype, n, scale, stream); break;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t feedback_residual_cuda(const float* sum, const float* decoded, int64_t n, float* residual,
+                                   cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  feedback_residual_kernel<<<grid_for(n), kThreads, 0, stream>>>(sum, decoded, n, residual);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,10 @@ void CudaRingKernels::fp8_decode_f32(const void* in, int64_t n, float* dst) {
   check(fp8_decode_cuda(fp8_format(), static_cast<const uint8_t*>(in), n, 1.0f, dst, DType::kFloat32, stream_));
 }
 
+void CudaRingKernels::residual(const float* sum, const float* decoded, int64_t n, float* out) {
+  check(feedback_residual_cuda(sum, decoded, n, out, stream_));
+}
+
 void CudaRingKernels::encode(int64_t begin, int64_t n, void* out) {
   if (residual_) {
     feedback_encode(nullptr, begin, n, out);

@@ -23,7 +23,7 @@ int64_t CodecRingKernels::payload_bytes(int64_t n) const {
 void CodecRingKernels::feedback_encode(const void* in, int64_t begin, int64_t n, void* out) {
   float* sum = scratch_;
   float* lost = scratch_ + scratch_stride_;
-  float* residual = residual_ + begin;
+  float* carried = residual_ + begin;
   auto decode_f32 = [&](const void* payload, float* dst) {
     if (fp8()) fp8_decode_f32(payload, n, dst);
     else cast(payload, wire_, dst, DType::kFloat32, n, 1.0f);
@@ -34,11 +34,11 @@ void CodecRingKernels::feedback_encode(const void* in, int64_t begin, int64_t n,
   } else {
     cast(local_at(begin), dtype_, sum, DType::kFloat32, n, prescale_);
   }
-  add(sum, residual, DType::kFloat32, n, 1.0f, sum);
+  add(sum, carried, DType::kFloat32, n, 1.0f, sum);
   if (fp8()) fp8_encode_f32(sum, n, out);
   else cast(sum, DType::kFloat32, out, wire_, n, 1.0f);
   decode_f32(out, lost);
-  add(sum, lost, DType::kFloat32, n, -1.0f, residual);  // exact: sum - decode(encode(sum))
+  residual(sum, lost, n, carried);
 }
 
 void CpuRingKernels::cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale) {
@@ -55,6 +55,10 @@ void CpuRingKernels::fp8_encode_f32(const float* src, int64_t n, void* out) {
 
 void CpuRingKernels::fp8_decode_f32(const void* in, int64_t n, float* dst) {
   fp8_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), n, 1.0f, dst, DType::kFloat32, 0, fp8_num_blocks(n));
+}
+
+void CpuRingKernels::residual(const float* sum, const float* decoded, int64_t n, float* out) {
+  feedback_residual_cpu(sum, decoded, n, out);
 }
 
 void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {

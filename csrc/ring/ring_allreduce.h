@@ -54,6 +54,7 @@ class CodecRingKernels : public RingKernels {
   virtual void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) = 0;
   virtual void fp8_encode_f32(const float* src, int64_t n, void* out) = 0;
   virtual void fp8_decode_f32(const void* in, int64_t n, float* dst) = 0;
+  virtual void residual(const float* sum, const float* decoded, int64_t n, float* out) = 0;
   // encode / reduce_encode (in != nullptr) with error feedback, from the primitives
   void feedback_encode(const void* in, int64_t begin, int64_t n, void* out);
 
@@ -85,6 +86,7 @@ class CpuRingKernels : public CodecRingKernels {
   void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) override;
   void fp8_encode_f32(const float* src, int64_t n, void* out) override;
   void fp8_decode_f32(const void* in, int64_t n, float* dst) override;
+  void residual(const float* sum, const float* decoded, int64_t n, float* out) override;
 };
 
 #ifdef GRADSYNC_WITH_CUDA
@@ -105,6 +107,7 @@ class CudaRingKernels : public CodecRingKernels {
   void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) override;
   void fp8_encode_f32(const float* src, int64_t n, void* out) override;
   void fp8_decode_f32(const void* in, int64_t n, float* dst) override;
+  void residual(const float* sum, const float* decoded, int64_t n, float* out) override;
 
  private:
   void finish(cudaError_t launched);

@@ -1,0 +1,169 @@
+"""gradsync.DataParallel: data parallelism without DDP, hooked into autograd.
+
+Gradients are packed into fixed buckets as autograd produces them; each bucket is all-reduced by
+gradsync's ring as soon as its last gradient arrives, while backward goes on, and the averaged
+gradients are written back before ``backward()`` returns.
+"""
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .distributed import _resolve_group, all_reduce
+from .ops import _check_codec, flatten, unflatten
+
+__all__ = ["DataParallel"]
+
+_FIRST_BUCKET_BYTES = 1 << 20  # small, so that communication starts early in backward (as DDP does)
+
+
+class _Bucket:
+    def __init__(self, params, device, error_feedback):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device) if error_feedback else None
+        self.ready = 0
+        self.work = None
+
+
+class DataParallel(torch.nn.Module):
+    """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
+
+    - At construction, parameters and buffers are broadcast from the group's rank 0, so every
+      replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
+      before every training-mode forward, as DDP does.
+    - Trainable parameters are split into buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in
+      reverse registration order (the order backward produces them; the first bucket is 1 MiB
+      so that communication starts early). Each bucket is packed by one fused flatten kernel and
+      all-reduced by gradsync's ring on the wire ``codec``, with fp32 sums at every hop, as soon as
+      its last gradient has been accumulated; buckets are issued in the same order on every rank.
+    - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
+      it to the next step's gradients (see :func:`gradsync.all_reduce`).
+    - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
+      it holds the average over the ranks (zeros, not None, if no rank produced a gradient).
+    - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
+      the next synchronized backward averages the accumulated gradients.
+    - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
+      reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
+      ``model.module.state_dict()`` for unprefixed keys).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
+                 process_group: Optional[dist.ProcessGroup] = None, error_feedback: bool = False,
+                 broadcast_buffers: bool = True):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        _check_codec(codec)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("gradsync.DataParallel: the module has no parameters that require gradients")
+        devices = sorted({str(t.device) for t in list(module.parameters()) + list(module.buffers())})
+        if len(devices) > 1:
+            raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "
+                             f"({', '.join(devices)}); move the module to one device first")
+        self.module = module
+        self.codec = codec
+        self.process_group = _resolve_group(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self._device = params[0].device
+        self._sync = True
+        self._root = dist.get_global_rank(self.process_group, 0)
+        self._broadcast(list(module.parameters()) + list(module.buffers()))
+
+        self._buckets, self._bucket_of = [], {}
+        cap = max(1, int(bucket_cap_mb * 2**20))
+        limit, current, size = min(cap, _FIRST_BUCKET_BYTES), [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += 4 * p.numel()
+            if size >= limit:
+                self._add_bucket(current, error_feedback)
+                current, size, limit = [], 0, cap
+        if current:
+            self._add_bucket(current, error_feedback)
+        self._next = 0  # the next bucket to issue, in order
+        self._in_backward = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _add_bucket(self, params, error_feedback):
+        bucket = _Bucket(params, self._device, error_feedback)
+        for p in params:
+            self._bucket_of[p] = bucket
+        self._buckets.append(bucket)
+
+    def _broadcast(self, tensors):
+        by_dtype = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, group in by_dtype.items():
+            data = [t.detach() for t in group]
+            if dtype in (torch.float32, torch.float16, torch.bfloat16):
+                flat = flatten(data)
+                dist.broadcast(flat, src=self._root, group=self.process_group)
+                unflatten(flat, data)
+            else:
+                for t in data:
+                    dist.broadcast(t, src=self._root, group=self.process_group)
+
+    @property
+    def buckets(self):
+        """The parameters of each bucket, in the order buckets are all-reduced."""
+        return [list(b.params) for b in self._buckets]
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.training and torch.is_grad_enabled():
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._broadcast(buffers)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate local gradients and communicate nothing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad(self, param):
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[param].ready += 1
+        self._issue(force=False)
+
+    def _issue(self, force):
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            grads = []
+            for p in bucket.params:
+                if p.grad is None:  # no gradient on this rank in this step: contribute zeros
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            flatten(grads, dtype=torch.float32, out=bucket.buffer)
+            bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
+                                     residual=bucket.residual)
+            self._next += 1
+
+    def _finish_backward(self):
+        try:
+            self._issue(force=True)
+            for bucket in self._buckets:
+                bucket.work.wait()
+                unflatten(bucket.buffer, [p.grad for p in bucket.params])
+        finally:
+            for bucket in self._buckets:
+                bucket.ready, bucket.work = 0, None
+            self._next = 0
+            self._in_backward = False

@@ -1,0 +1,226 @@
+"""gradsync's DDP hooks and gradsync.DataParallel training real models on gloo ranks, against fp32 DDP."""
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+from gradsync import hooks
+
+BUCKET_MB = 0.01  # several buckets even for these small models
+
+
+class Net(torch.nn.Module):
+    """A small MLP; ``unused`` adds a branch that forward never touches."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                        torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        self.spare = torch.nn.Linear(64, 64) if unused else None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_net(unused=False, dtype=torch.float32):
+    torch.manual_seed(0)
+    return Net(unused).to(dtype)
+
+
+def batch(rank, step, rows=32, dtype=torch.float32):
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(rows, 16, generator=g)
+    y = torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.5 * x[:, 4:5]
+    return x.to(dtype), y.to(dtype)
+
+
+EVAL = batch(999, 999, rows=512)
+
+
+def initial_loss(dtype=torch.float32):
+    with torch.no_grad():
+        return float(F.mse_loss(make_net(dtype=dtype)(EVAL[0].to(dtype)).float(), EVAL[1]))
+
+
+def params_of(model):
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def digest(t):
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def wrap(model, mode, **ddp_options):
+    kind, _, detail = mode.partition(":")
+    if kind == "dp":
+        codec, _, ef = detail.partition("+")
+        return gradsync.DataParallel(model, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef))
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, **ddp_options)
+    if kind == "hook":
+        state, hook = {
+            "none": (hooks.GradSyncState(codec="none"), hooks.allreduce_hook),
+            "fp16": (None, hooks.fp16_compress_hook),
+            "bf16": (dist.group.WORLD, hooks.bf16_compress_hook),
+            "fp8+ef": (hooks.GradSyncState(error_feedback=True), hooks.fp8_compress_hook),
+            "fp8_e5m2+ef": (hooks.GradSyncState(codec="fp8_e5m2", error_feedback=True), hooks.allreduce_hook),
+        }[detail]
+        ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def train(rank, size, mode, steps, lr=0.1, dtype=torch.float32, **ddp_options):
+    """(per-step parameter digests, final parameters, final loss on a fixed evaluation batch)."""
+    model = wrap(make_net(ddp_options.pop("unused", False), dtype), mode, **ddp_options)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    digests = []
+    for step in range(steps):
+        x, y = batch(rank, step, dtype=dtype)
+        opt.zero_grad()
+        F.mse_loss(model(x).float(), y.float()).backward()
+        opt.step()
+        digests.append(digest(params_of(model)))
+    with torch.no_grad():
+        loss = float(F.mse_loss(model(EVAL[0].to(dtype)).float(), EVAL[1]))
+    return digests, params_of(model), loss
+
+
+def train_modes(rank, size, modes, steps, options=None):
+    return {mode: train(rank, size, mode, steps, **dict(options or {})) for mode in modes}
+
+
+def check_ranks_agree(results):
+    for mode in results[0]:
+        for step, digests in enumerate(zip(*(r[mode][0] for r in results))):
+            assert len(set(digests)) == 1, f"{mode}: ranks differ after step {step + 1}"
+
+
+def relative(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_codec_none_trains_like_ddp_and_ranks_agree_bitwise(worlds):
+    modes = ["ddp", "hook:none", "dp:none"]
+    results = worlds(3).run(train_modes, modes, 20)
+    check_ranks_agree(results)
+    reference = results[0]["ddp"][1]
+    for mode in modes[1:]:
+        assert relative(results[0][mode][1], reference) < 1e-6, mode
+
+
+def test_compressed_final_loss_is_within_the_codec_budget(worlds):
+    modes = ["ddp", "hook:fp16", "hook:bf16", "hook:fp8+ef", "hook:fp8_e5m2+ef", "dp:fp16", "dp:fp8_e4m3+ef"]
+    results = worlds(2).run(train_modes, modes, 150)
+    check_ranks_agree(results)
+    losses = {mode: results[0][mode][2] for mode in modes}
+    fp32 = losses["ddp"]
+    assert fp32 < 0.5 * initial_loss()
+    for mode, budget in [("hook:fp16", 0.005), ("dp:fp16", 0.005), ("hook:bf16", 0.02), ("hook:fp8+ef", 0.02),
+                         ("hook:fp8_e5m2+ef", 0.02), ("dp:fp8_e4m3+ef", 0.02)]:
+        assert abs(losses[mode] - fp32) <= budget * fp32, (mode, losses[mode], fp32)
+
+
+def accumulate(rank, size, mode, micro):
+    """One step from `micro` accumulated micro-batches vs one step on their concatenation."""
+    rows = 12
+    parts = [batch(rank, i, rows=rows) for i in range(micro)]
+    models = []
+    for accumulated in (True, False):
+        model = wrap(make_net(), mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if accumulated:
+            for i, (x, y) in enumerate(parts):
+                last = i == micro - 1
+                with (model.no_sync() if not last else torch.enable_grad()):
+                    (F.mse_loss(model(x), y, reduction="sum") / (rows * micro)).backward()
+        else:
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+        models.append(params_of(model))
+    return relative(models[0], models[1])
+
+
+@pytest.mark.parametrize("mode", ["hook:none", "dp:none", "hook:fp16"])
+def test_no_sync_accumulation_equals_one_large_batch_step(worlds, mode):
+    tolerance = 1e-6 if mode.endswith("none") else 1e-4
+    assert max(worlds(2).run(accumulate, mode, 3)) < tolerance
+
+
+@pytest.mark.parametrize("options", [{"static_graph": True}, {"find_unused_parameters": True, "unused": True},
+                                     {"gradient_as_bucket_view": True}],
+                         ids=["static_graph", "find_unused_parameters", "gradient_as_bucket_view"])
+def test_ddp_options_with_the_fp16_hook(worlds, options):
+    results = worlds(2).run(train_modes, ["ddp", "hook:fp16"], 10, options)
+    check_ranks_agree(results)
+    assert relative(results[0]["hook:fp16"][1], results[0]["ddp"][1]) < 1e-3
+
+
+def unused_parameter(rank, size):
+    model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB)
+    x, y = batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    spare = model.module.spare.weight.grad
+    return spare is not None and not spare.any().item(), digest(params_of(model))
+
+
+def test_data_parallel_gives_unused_parameters_zero_gradients(worlds):
+    results = worlds(2).run(unused_parameter)
+    assert all(ok for ok, _ in results)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16_model", "fp16_model"])
+def test_half_precision_models(worlds, dtype):
+    results = worlds(2).run(train_modes, ["hook:bf16", "hook:fp16", "dp:fp16"], 30, {"dtype": dtype, "lr": 0.05})
+    check_ranks_agree(results)
+    for mode, (_, _, loss) in results[0].items():
+        assert loss < 0.8 * initial_loss(dtype), (mode, loss)
+
+
+def scaler_skips(rank, size, mode):
+    model = wrap(make_net(), mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    skipped = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if step == 1 and rank == size - 1:
+            loss = loss * float("inf")  # an overflow on one rank only
+        before = params_of(model)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(torch.equal(before, params_of(model)) and scaler.get_scale() < scale)
+    return skipped
+
+
+@pytest.mark.parametrize("mode", ["hook:fp16", "hook:bf16", "hook:fp8+ef", "dp:fp8_e4m3"])
+def test_grad_scaler_sees_an_overflow_on_any_rank_and_skips_the_step(worlds, mode):
+    assert worlds(2).run(scaler_skips, mode) == [[False, True, False]] * 2
+
+
+def test_bf16_hook_registers_without_cuda_or_nccl():
+    assert hooks.bf16_compress_hook.__name__ != "bf16_compress_hook"
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: hooks.fp16_compress_hook("world", None), TypeError, "hook state must be None, a torch.distributed"),
+    (lambda: hooks.GradSyncState(codec="int8"), ValueError, "unknown codec 'int8'"),
+    (lambda: hooks.GradSyncState(process_group=3), TypeError, "process_group must be"),
+    (lambda: gradsync.DataParallel(torch.nn.ReLU()), ValueError, "no parameters that require gradients"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
+     ValueError, "on several devices (cpu, meta)"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
+])
+def test_bad_input(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value)
