@@ -21,6 +21,7 @@ Pure Python: importing it does not import torch.
 """
 import argparse
 import json
+import os
 from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
@@ -217,7 +218,7 @@ TOPOLOGIES = [  # (ranks, link); latencies are ASSUMED typical per-hop values
     (1024, Link("Ethernet 100 Gbit/s", 12.5e9, 15e-6)),
 ]
 MODELS = [("GPT-2 124M", 124_439_808), ("1.3B", 1_300_000_000), ("7B", 6_740_000_000)]
-BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024]
+BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024, 4096]
 
 
 def step_time(params, n, link, kernels, impl, bucket_bytes):
@@ -244,7 +245,8 @@ def latency_crossover(bucket_bytes, link, codec):
     return bucket_bytes / 4 * WIRE_BYTES[codec] / (link.bandwidth * link.latency)
 
 
-def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25):
+def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25, cpu=None):
+    """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
     lines = [f"# Gradient sync per step, flat ring, fp32 gradients in {bucket_mb} MB buckets; {kernels.name}",
              "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop", ""]
     head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
@@ -255,18 +257,22 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25):
             cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
             lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
         lines.append("")
-    lines += ["## Where compression pays: per element and hop, wire time saved vs kernel time added (fp32 -> codec)",
-              f"{'link':<20} {'codec':<9} {'wire saved (ps)':>16} {'encode+decode (ps)':>19} {'pays':>5}"]
+    lines += ["## Where compression pays: per element and hop, the slower of wire and kernel, fp32 ring vs codec (ps)",
+              "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's)",
+              f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
+    kernel_sets = [("GPU, assumed", kernels)] + ([("CPU, 1 thread, measured", cpu)] if cpu else [])
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
-        for codec in CODECS[1:]:
-            saved = (4 - WIRE_BYTES[codec]) / link.bandwidth
-            cost = kernels.reduce_encode[codec] - kernels.add
-            lines.append(f"{link.name:<20} {codec:<9} {saved * 1e12:>16.1f} {cost * 1e12:>19.1f} {'yes' if saved > cost else 'no':>5}")
+        for label, ks in kernel_sets:
+            base = max(4 / link.bandwidth, ks.add)
+            for codec in ("fp16", "fp8_e4m3"):
+                wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
+                lines.append(f"{link.name:<20} {label:<24} {codec:<9} {base * 1e12:>10.1f} {wire * 1e12:>11.1f} "
+                             f"{kernel * 1e12:>8.1f} {'yes' if max(wire, kernel) < base else 'no':>5}")
     lines += ["", "## Best bucket: the smallest within 10 % of one all-reduce of the whole gradient (gradsync fp16)",
               f"{'ranks':>5} {'link':<20}" + "".join(f"{m:>12}" for m, _ in MODELS)]
     for n, link in TOPOLOGIES:
         knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
-        lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 1 GB'):>12}" for k in knees))
+        lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
     lines += ["", "## Where the flat ring stops scaling",
               "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check) while its",
               "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
@@ -309,7 +315,8 @@ def main():
               f"{latency * 1e6:.0f} us; {kernels.name}")
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes)))
         print()
-    print(projection_tables(bucket_mb=args.bucket_mb))
+    cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
+    print(projection_tables(bucket_mb=args.bucket_mb, cpu=cpu))
 
 
 if __name__ == "__main__":
