@@ -1,0 +1,122 @@
+"""Combines the per-rate JSON of an emulated-cluster run (run.sh) into one JSON, a Markdown table and a PNG.
+
+    python benchmarks/netem/report.py --out PREFIX DIR/rate-500mbit.json DIR/rate-1gbit.json ...
+
+Each row gains the link rate, the effective algbw in fp32 bytes (S_fp32 / t) and the link-limited
+lower bound of a ring all-reduce, t >= 2(n-1)/n * S_wire / rate, with the fraction of it achieved.
+The targets of the emulated-cluster issue are checked at 1 Gbit/s on the largest size.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+CPU_BOUND_ABOVE_BPS = 2e9
+"""Above ~2 Gbit/s per host this 2-core machine, not the shaped link, limits the run."""
+
+TARGETS = [  # (description, check(rows by impl) -> (measured text, met))
+    ("gradsync fp16 >= 1.8x torch fp32", lambda r: _speedup(r, "gradsync fp16", 1.8)),
+    ("gradsync fp8_e4m3 >= 3.3x torch fp32", lambda r: _speedup(r, "gradsync fp8_e4m3", 3.3)),
+    ("gradsync fp8_e5m2 >= 3.3x torch fp32", lambda r: _speedup(r, "gradsync fp8_e5m2", 3.3)),
+    ("gradsync none within 10 % of torch fp32",
+     lambda r: (f"{r['gradsync none']['time_ms'] / r['torch fp32']['time_ms']:.3f}x the time",
+                r["gradsync none"]["time_ms"] <= 1.10 * r["torch fp32"]["time_ms"])),
+    ("every gradsync codec >= 85 % of its link bound",
+     lambda r: (", ".join(f"{k.split()[1]} {v['pct_bound']:.0f} %" for k, v in r.items() if k.startswith("gradsync")),
+                all(v["pct_bound"] >= 85 for k, v in r.items() if k.startswith("gradsync")))),
+]
+
+
+TARGET_IMPLS = ["torch fp32"] + [f"gradsync {c}" for c in ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")]
+
+
+def _speedup(rows, impl, target):
+    return f"{rows[impl]['speedup']:.2f}x", rows[impl]["speedup"] >= target
+
+
+def rate_bps(text):
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)(kbit|mbit|gbit)", text)
+    if not m:
+        raise ValueError(f"bad rate {text!r}")
+    return float(m[1]) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m[2]]
+
+
+def link_bound_s(n, wire_bytes, bps):
+    """The ring's link-limited lower bound: every host sends 2(n-1)/n of the wire bytes."""
+    return 2 * (n - 1) / n * wire_bytes * 8 / bps
+
+
+def load(paths):
+    rows, meta = [], None
+    for path in paths:
+        rate = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))[1]
+        with open(path) as f:
+            run = json.load(f)
+        meta = meta or dict(run["meta"], title=run["title"])
+        n, bps = run["meta"]["ranks"], rate_bps(rate)
+        for r in run["rows"]:
+            bound = link_bound_s(n, r["wire_bytes"], bps) * 1e3
+            rows.append(dict(r, rate=rate, rate_gbit=bps / 1e9, algbw_gbit=r["bytes"] * 8 / r["time_ms"] / 1e6,
+                             bound_ms=bound, pct_bound=100 * bound / r["time_ms"], cpu_bound=bps > CPU_BOUND_ABOVE_BPS))
+    return rows, meta
+
+
+def check_targets(rows):
+    at = [r for r in rows if r["rate_gbit"] == 1.0]
+    if not at:
+        return []
+    largest = max(r["bytes"] for r in at)
+    by_impl = {r["impl"]: r for r in at if r["bytes"] == largest}
+    if not all(impl in by_impl for impl in TARGET_IMPLS):
+        return []
+    return [dict(zip(("target", "measured", "met"), (name, *check(by_impl)))) for name, check in TARGETS]
+
+
+def markdown(rows, meta, targets):
+    largest = max(r["bytes"] for r in rows)
+    lines = [f"# Emulated cluster: {meta['ranks']} hosts, {common.format_bytes(largest)} of fp32 gradients", "",
+             f"{meta['date']}, {meta['machine']}; {meta['shaper']}. {meta['title']}", "",
+             "| link | impl | time (ms) | algbw (Gbit/s of fp32) | vs torch fp32 | wire | link bound (ms) | % of bound |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if r["bytes"] == largest:
+            lines.append(f"| {r['rate']}{' (CPU-bound)' if r['cpu_bound'] else ''} | {r['impl']} | {r['time_ms']:.0f} | "
+                         f"{r['algbw_gbit']:.2f} | {common.ratio(r['speedup'])} | {common.format_bytes(r['wire_bytes'])} | "
+                         f"{r['bound_ms']:.0f} | {r['pct_bound']:.0f} % |")
+    if targets:
+        lines += ["", "Targets at 1 Gbit/s:", "", "| target | measured | met |", "| --- | --- | --- |"]
+        lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in targets]
+    lines += ["", f"Above {CPU_BOUND_ABOVE_BPS / 1e9:.0f} Gbit/s per host this machine's CPUs, not the shaped link, "
+              "limit the run: such rows are marked CPU-bound and are not link numbers."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="writes PREFIX.json, PREFIX.md and PREFIX.png")
+    parser.add_argument("runs", nargs="+", help="rate-<rate>.json files written by run.sh")
+    args = parser.parse_args()
+    rows, meta = load(args.runs)
+    targets = check_targets(rows)
+    meta = dict(meta, date=datetime.date.today().isoformat(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
+                shaper="tc tbf on each host's egress, one Linux bridge")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"title": meta["title"], "meta": meta, "targets": targets, "rows": rows}, f, indent=1)
+    text = markdown(rows, meta, targets)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    largest = max(r["bytes"] for r in rows)
+    common.plot(args.out + ".png", f"{meta['ranks']} hosts, {common.format_bytes(largest)} fp32, emulated links",
+                [r for r in rows if r["bytes"] == largest], x="rate_gbit", y="algbw_gbit", group="impl",
+                xlabel="link rate per host (Gbit/s)", ylabel="algbw (Gbit/s of fp32 gradients)")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

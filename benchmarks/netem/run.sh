@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# An emulated cluster on one machine: K network namespaces ("hosts") on a Linux bridge that lives in
+# a namespace of its own, each host's egress shaped by tc tbf to the link rate. At each rate it runs
+# benchmarks/bench_allreduce.py with one process per host over gloo (TCP), then removes everything,
+# on failure and Ctrl-C too. Nothing but the namespaces <prefix>sw and <prefix>h<i> is ever touched,
+# and they have no route out. Needs root and iproute2; --dry-run prints the commands and runs none.
+#
+#   benchmarks/netem/run.sh [--hosts 4] [--rate 500mbit,1gbit,2gbit] [--out DIR] [--prefix gsnet-]
+#                           [--timeout SECONDS] [--dry-run] [-- bench_allreduce.py arguments]
+#
+# Writes DIR/rate-<rate>.json (bench_allreduce.py's rows), DIR/rank<i>-<rate>.log and, through
+# report.py, DIR/netem.{json,md,png}. PYTHON selects the interpreter (default python3).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+BENCH=$(dirname "$HERE")/bench_allreduce.py
+HOSTS=4 RATES=500mbit,1gbit,2gbit OUT=${TMPDIR:-/tmp}/gsnet-out PREFIX=gsnet- TIMEOUT=900 DRY=
+PYTHON=${PYTHON:-python3}
+BENCH_ARGS=(--min-bytes 1K --max-bytes 64M --step 4 --budget-bytes 512M)
+MASTER_PORT=29500  # the namespaces are private, so a fixed port cannot collide
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+while (($#)); do
+  case $1 in
+    --hosts) HOSTS=$2; shift 2 ;;
+    --rate) RATES=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --prefix) PREFIX=$2; shift 2 ;;
+    --timeout) TIMEOUT=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h | --help) usage ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    *) echo "run.sh: unknown argument $1" >&2; usage 2 ;;
+  esac
+done
+[[ $HOSTS =~ ^[0-9]+$ ]] && ((HOSTS >= 2 && HOSTS <= 200)) || { echo "run.sh: --hosts must be 2..200" >&2; exit 2; }
+[[ $PREFIX =~ ^[a-z0-9-]{1,12}$ ]] || { echo "run.sh: --prefix must be 1-12 of [a-z0-9-]" >&2; exit 2; }
+[[ -n $DRY || $EUID == 0 ]] || { echo "run.sh: needs root (network namespaces, tc); --dry-run needs none" >&2; exit 2; }
+
+SW=${PREFIX}sw
+host() { echo "${PREFIX}h$1"; }
+addr() { echo "10.77.0.$(($1 + 1))"; }
+
+# Prints a command exactly (shell-quoted), then runs it unless this is a dry run.
+run() {
+  local line
+  line=$(printf '%q ' "$@")
+  echo "${line% }"
+  [[ -n $DRY ]] || "$@"
+}
+
+rate_bps() {
+  awk -v r="$1" 'BEGIN {
+    if (!match(r, /^[0-9]*\.?[0-9]+/)) exit 1
+    v = substr(r, 1, RLENGTH); u = substr(r, RLENGTH + 1)
+    m = u == "kbit" ? 1e3 : u == "mbit" ? 1e6 : u == "gbit" ? 1e9 : 0
+    if (m == 0 || v <= 0) exit 1
+    printf "%.0f", v * m }' || { echo "run.sh: bad rate '$1' (e.g. 500mbit, 1gbit)" >&2; exit 2; }
+}
+
+IFS=, read -ra RATE_LIST <<<"$RATES"
+for rate in "${RATE_LIST[@]}"; do rate_bps "$rate" >/dev/null; done
+
+# tbf needs a bucket of at least ~4 ms of traffic (and 256 KB), or TCP throughput collapses; the
+# queue holds 100 ms so that the shaper delays packets rather than dropping them.
+shape() {
+  local bps burst limit i
+  bps=$(rate_bps "$1")
+  burst=$((bps / 2000 > 262144 ? bps / 2000 : 262144))
+  limit=$((bps / 80 > 2 * burst ? bps / 80 : 2 * burst))
+  for ((i = 0; i < HOSTS; i++)); do
+    run tc -n "$(host $i)" qdisc replace dev eth0 root tbf rate "$1" burst "$burst" limit "$limit"
+  done
+}
+
+# Removes our namespaces, leftovers of a killed run included: their processes first, then the
+# namespaces themselves, which takes their veths and the bridge along.
+teardown() {
+  local ns pid
+  if [[ -n $DRY ]]; then
+    for ((i = 0; i < HOSTS; i++)); do run ip netns del "$(host $i)"; done
+    run ip netns del "$SW"
+    return
+  fi
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^${PREFIX}(sw|h[0-9]+)\$" || true); do
+    for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns"
+  done
+}
+
+PIDS=()
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  echo "# teardown"
+  teardown
+  exit "$status"
+}
+[[ -n $DRY ]] || { trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; }
+
+setup() {
+  local i h
+  run ip netns add "$SW"
+  run ip -n "$SW" link add br0 type bridge
+  run ip -n "$SW" link set br0 up
+  for ((i = 0; i < HOSTS; i++)); do
+    h=$(host $i)
+    run ip netns add "$h"
+    run ip -n "$SW" link add "p$i" type veth peer name eth0 netns "$h"
+    run ip -n "$SW" link set "p$i" master br0 up
+    run ip -n "$h" addr add "$(addr $i)/24" dev eth0
+    run ip -n "$h" link set eth0 up
+    run ip -n "$h" link set lo up
+  done
+}
+
+# One process per host; rank 0 writes the JSON. Any rank failing or timing out fails the run.
+bench() {
+  local rate=$1 i failed=0 cmd log
+  PIDS=()
+  for ((i = 0; i < HOSTS; i++)); do
+    cmd=(ip netns exec "$(host $i)" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
+      MASTER_ADDR="$(addr 0)" MASTER_PORT=$MASTER_PORT GLOO_SOCKET_IFNAME=eth0
+      timeout "$TIMEOUT" "$PYTHON" "$BENCH" "${BENCH_ARGS[@]}")
+    ((i == 0)) && cmd+=(--json "$OUT/rate-$rate.json")
+    log=$OUT/rank$i-$rate.log
+    if [[ -n $DRY ]]; then
+      echo "$(printf '%q ' "${cmd[@]}")>$log 2>&1 &"
+      continue
+    fi
+    "${cmd[@]}" >"$log" 2>&1 &
+    PIDS+=($!)
+  done
+  [[ -z $DRY ]] || echo wait
+  for pid in "${PIDS[@]}"; do wait "$pid" || failed=1; done
+  PIDS=()
+  if ((failed)); then
+    echo "run.sh: a rank failed or timed out at $rate; logs in $OUT" >&2
+    tail -n 20 "$OUT"/rank*-"$rate".log >&2
+    exit 1
+  fi
+  [[ -n $DRY ]] || cat "$OUT/rank0-$rate.log"
+}
+
+[[ -n $DRY ]] || mkdir -p "$OUT"
+echo "# cleanup of leftovers"
+teardown
+echo "# setup: $HOSTS hosts on a bridge"
+setup
+for rate in "${RATE_LIST[@]}"; do
+  echo "# rate $rate"
+  shape "$rate"
+  bench "$rate"
+done
+echo "# report"
+JSONS=()
+for rate in "${RATE_LIST[@]}"; do JSONS+=("$OUT/rate-$rate.json"); done
+run "$PYTHON" "$HERE/report.py" --out "$OUT/netem" "${JSONS[@]}"

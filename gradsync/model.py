@@ -1,0 +1,323 @@
+"""A cost model of gradient all-reduce: gradsync's compressed ring and the plain fp32 ring of torch.
+
+    python -m gradsync.model [--kernels KERNELS.json] [--validate NETEM.json]
+
+The ring is modelled as gradsync implements it (csrc/ring/ring_allreduce.cpp): the buffer is cut
+into n chunks and each chunk into m slices of about 1 MiB on the wire; a reduce-scatter of n-1 steps
+(every hop one fused decode + add + encode, ``reduce_encode``) then an all-gather of n-1 steps (every
+hop forwards, then decodes). Per hop a slice of b wire bytes costs the link ``alpha + b / B``
+(alpha-beta); slices of one step stream back to back, so a step lasts the longer of its link time
+``m * b / B`` and its dependency chain ``alpha + b / B + compute``, and a phase can never be shorter
+than the kernels its rank must run one after another. torch's all_reduce (gloo or NCCL) is the same
+ring with fp32 on the wire and an fp32 add per hop. Not modelled: congestion, stragglers, overlap
+with the backward pass, and the many-level rings and trees NCCL builds on real clusters.
+
+Kernel costs come in seconds per fp32 element. For CPUs they are measured (``bench_kernels.py``
+JSON). No GPU kernel has been timed yet: the GPU figures are an *assumption*, a memory-bound
+estimate at the HBM bandwidth of an H200 (4.8 TB/s) for the bytes each kernel reads and writes.
+Link latencies of the real topologies are assumed typical values, not measurements.
+
+Pure Python: importing it does not import torch.
+"""
+import argparse
+import json
+import os
+from dataclasses import dataclass, replace
+
+SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
+ALIGN = 128            # elements; chunks and slices are multiples of the fp8 block
+WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8_e4m3": 1 + 4 / 128, "fp8_e5m2": 1 + 4 / 128}
+CODECS = tuple(WIRE_BYTES)
+TORCH = "torch fp32"
+IMPLS = (TORCH,) + tuple(f"gradsync {c}" for c in CODECS)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float  # bytes/s each rank sends (and receives) on its ring hop
+    latency: float    # alpha: seconds per hop for a message, software included
+    bucket: float = 0.0  # an emulated link's token bucket, in seconds at line rate: idle time it gives back
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Seconds per fp32 element for each ring kernel and codec (the add of a plain fp32 ring under "add"),
+    and `network`: seconds of the rank's own processor per wire byte it sends and receives (a host TCP
+    stack; 0 where the NIC moves the data by DMA)."""
+    name: str
+    encode: dict
+    reduce_encode: dict
+    decode: dict
+    add: float
+    network: float = 0.0
+
+    def scaled(self, factor, name=None):
+        """The same kernels run `factor` times slower (e.g. ranks sharing a core)."""
+        scale = lambda d: {k: v * factor for k, v in d.items()}  # noqa: E731
+        return Kernels(name or f"{self.name} x{factor:g}", scale(self.encode), scale(self.reduce_encode),
+                       scale(self.decode), self.add * factor, self.network * factor)
+
+
+def memory_bound_kernels(bandwidth, name):
+    """Kernels that run at `bandwidth` bytes/s over the bytes they read and write (fp32 in, w bytes per element out)."""
+    enc = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
+    red = {c: (4 + 2 * w) / bandwidth for c, w in WIRE_BYTES.items()}
+    dec = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
+    dec["none"] = 0.0  # with no postscale, the all-gather receives straight into the result
+    return Kernels(name, enc, red, dec, 12 / bandwidth)
+
+
+H200_HBM = 4.8e12
+GPU_ASSUMED = memory_bound_kernels(H200_HBM, "ASSUMED GPU kernels: memory-bound at H200 HBM 4.8 TB/s (not measured)")
+
+
+def cpu_kernels(path):
+    """Single-thread kernel costs from a bench_kernels.py JSON: the largest single-buffer case.
+
+    bf16 and fp8_e5m2 were not timed and take the costs of fp16 and fp8_e4m3 (the same loops). The
+    fused reduce_encode is not timed either: it is taken as a decode plus an encode. "none" and the
+    plain ring's add move 8 and 12 bytes per element at the measured copy bandwidth.
+    """
+    with open(path) as f:
+        run = json.load(f)
+    case = max((r for r in run["rows"] if r["tensors"] == 1), key=lambda r: r["count"])["case"]
+    per_elem = {r["op"]: r["time_ms"] * 1e-3 / r["count"] for r in run["rows"] if r["case"] == case}
+    copy = run["meta"]["copy_gbps"] * 1e9
+    enc = {"none": 8 / copy}
+    dec = {"none": 0.0}
+    for codec, measured in (("fp16", "fp16"), ("bf16", "fp16"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e4m3")):
+        enc[codec] = per_elem[f"gradsync compress({measured})"]
+        dec[codec] = per_elem[f"gradsync decompress({measured})"]
+    red = {c: enc[c] + dec[c] for c in CODECS}
+    red["none"] = 12 / copy
+    return Kernels(f"CPU kernels measured ({path.rsplit('/', 1)[-1]}, {case})", enc, red, dec, 12 / copy)
+
+
+def _round_up(x, k=ALIGN):
+    return -(-x // k) * k
+
+
+def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=SLICE_BYTES, check_call=True):
+    """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
+
+    `plain`: torch's ring (fp32 wire, one add per hop, no encode or decode, no agreement check).
+    `check_call`: gradsync's agreement check, n-1 small messages around the ring before the data.
+    """
+    if n == 1 or numel == 0:
+        return 0.0
+    w = 4.0 if plain else WIRE_BYTES[codec]
+    chunk = _round_up(-(-numel // n))
+    slice_elems = _round_up(max(1, int(slice_bytes // (1 if w < 2 else w))))
+    m = -(-chunk // slice_elems)
+    elems = chunk / m                                # per slice, slices taken as equal
+    g = elems * w / link.bandwidth                  # wire time of one slice
+    a = link.latency
+    c_enc = 0.0 if plain else elems * kernels.encode[codec]
+    c_red = elems * (kernels.add if plain else kernels.reduce_encode[codec])
+    c_dec = 0.0 if plain else elems * kernels.decode[codec]
+    c_net = elems * w * kernels.network              # host stack: one slice sent and one received
+    g = max(g, c_net)                                # ... which runs while the slice is on the wire
+
+    def chain(c):  # from a slice leaving to the same slice of the next step leaving; a shaper's bucket
+        return a + g + c - min(a + c, link.bucket)  # refills while the link waits, and catches up
+
+    def last_step(c):  # the final step: its slices stream out, the last one arrives and is processed
+        return (m - 1) * max(g, c) + a + g + c
+    # reduce-scatter: steps pipelined slice by slice; or the rank's processor busy throughout, if longer
+    rs_wire = c_enc + (n - 2) * max(m * g, chain(c_red)) + last_step(c_red)
+    rs = max(rs_wire, m * c_enc + (n - 1) * m * (c_red + c_net) + a + g)
+    # all-gather: a hop forwards before it decodes, so decoding leaves the chain; n chunks to decode
+    ag_wire = (n - 2) * max(m * g, chain(0.0)) + last_step(c_dec)
+    ag = max(ag_wire, n * m * c_dec + (n - 1) * m * c_net + a + g)
+    check = (n - 1) * a if check_call and not plain else 0.0
+    return check + rs + ag
+
+
+def allreduce_time(numel, n, link, kernels, impl):
+    """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does) or "gradsync <codec>"."""
+    if impl == TORCH:
+        return ring_time(numel, n, link, kernels, plain=True) + numel * kernels.encode["none"]
+    return ring_time(numel, n, link, kernels, impl.split()[1])
+
+
+def link_bound(numel, n, link, codec):
+    """The bandwidth-only lower bound 2(n-1)/n * S_wire / B."""
+    return 2 * (n - 1) / n * numel * WIRE_BYTES[codec] / link.bandwidth
+
+
+# --- validation against the emulated cluster -----------------------------------------------------------
+
+EMULATED_CORES = 2
+TCP_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps): tbf counts whole frames
+VALIDATED_MIN_BYTES = 16 << 20
+"""Below this the emulated runs are ruled by the shaper's burst (0.25-1 MB pass at once) and by this
+VM's wake-up latency (a 1 KB all-reduce takes longer than a 256 KB one), neither of them modelled."""
+
+
+def tbf_burst_bytes(bps):
+    """The bucket benchmarks/netem/run.sh gives tbf: 4 ms of traffic, at least 256 KB."""
+    return max(262144, bps // 2000)
+
+
+def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
+    """Seconds of processor per wire byte for the TCP stack, from an unshaped loopback run of
+    bench_allreduce.py (JSON): what gradsync "none" at the largest size took beyond its kernels."""
+    n = loopback["meta"]["ranks"]
+    row = max((r for r in loopback["rows"] if r["impl"] == "gradsync none"), key=lambda r: r["bytes"])
+    share = max(1.0, n / cores)
+    numel = row["bytes"] // 4
+    kernels_only = ring_time(numel, n, Link("loopback", float("inf"), 0.0), kernels.scaled(share))
+    return (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
+
+
+def emulated_setup(netem, kernels_path, loopback_path):
+    """(latency, kernels) for a run of benchmarks/netem/run.sh on this machine's 2 cores.
+
+    The latency is measured: the smallest message's torch fp32 all-reduce time over its 2(n-1)
+    hops, at the lowest rate. The ranks share the cores, so the kernels and the TCP stack (measured
+    on loopback) run n / cores times slower.
+    """
+    n = netem["meta"]["ranks"]
+    smallest = min(r["bytes"] for r in netem["rows"])
+    slowest = min(r["rate_gbit"] for r in netem["rows"])
+    t = [r["time_ms"] for r in netem["rows"] if r["impl"] == TORCH and r["bytes"] == smallest and r["rate_gbit"] == slowest]
+    latency = t[0] * 1e-3 / (2 * (n - 1))
+    kernels = cpu_kernels(kernels_path)
+    with open(loopback_path) as f:
+        kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
+    name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {EMULATED_CORES} cores"
+    return latency, kernels.scaled(max(1.0, n / EMULATED_CORES), name)
+
+
+def validate(netem, kernels_path, loopback_path, min_bytes=VALIDATED_MIN_BYTES):
+    """Measured against predicted for every modelled row of a netem report JSON: a list of dicts."""
+    latency, kernels = emulated_setup(netem, kernels_path, loopback_path)
+    n = netem["meta"]["ranks"]
+    out = []
+    for r in netem["rows"]:
+        if r["impl"] not in IMPLS or r["bytes"] < min_bytes:
+            continue
+        bps = r["rate_gbit"] * 1e9
+        link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps)
+        predicted = allreduce_time(r["bytes"] // 4, n, link, kernels, r["impl"]) * 1e3
+        out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
+                    "predicted_ms": predicted, "error": predicted / r["time_ms"] - 1})
+    return out
+
+
+# --- projections to real clusters ----------------------------------------------------------------------
+
+TOPOLOGIES = [  # (ranks, link); latencies are ASSUMED typical per-hop values
+    (8, Link("NVLink 450 GB/s", 450e9, 3e-6)),
+    (64, Link("IB 400 Gbit/s", 50e9, 5e-6)),
+    (512, Link("IB 400 Gbit/s", 50e9, 5e-6)),
+    (1024, Link("IB 400 Gbit/s", 50e9, 5e-6)),
+    (64, Link("Ethernet 100 Gbit/s", 12.5e9, 15e-6)),
+    (512, Link("Ethernet 100 Gbit/s", 12.5e9, 15e-6)),
+    (1024, Link("Ethernet 100 Gbit/s", 12.5e9, 15e-6)),
+]
+MODELS = [("GPT-2 124M", 124_439_808), ("1.3B", 1_300_000_000), ("7B", 6_740_000_000)]
+BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024, 4096]
+
+
+def step_time(params, n, link, kernels, impl, bucket_bytes):
+    """One step's gradient sync: the fp32 gradients in buckets, all-reduced one after another."""
+    bucket = min(params, bucket_bytes // 4)
+    full, rest = divmod(params, bucket)
+    t = full * allreduce_time(bucket, n, link, kernels, impl)
+    return t + (allreduce_time(rest, n, link, kernels, impl) if rest else 0.0)
+
+
+def knee_bucket(params, n, link, kernels, impl, within=0.10):
+    """The smallest bucket (MB) whose step time is within `within` of one all-reduce of everything:
+    smaller buckets overlap better with the backward pass, larger ones pay less latency."""
+    whole = allreduce_time(params, n, link, kernels, impl)
+    for mb in BUCKETS_MB:
+        if step_time(params, n, link, kernels, impl, mb * 2**20) <= (1 + within) * whole:
+            return mb
+    return None
+
+
+def latency_crossover(bucket_bytes, link, codec):
+    """The ring size beyond which the latency term 2(n-1)alpha exceeds the bandwidth term
+    2(n-1)/n S_wire/B for one bucket: n = S_wire / (B alpha)."""
+    return bucket_bytes / 4 * WIRE_BYTES[codec] / (link.bandwidth * link.latency)
+
+
+def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25, cpu=None):
+    """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
+    lines = [f"# Gradient sync per step, flat ring, fp32 gradients in {bucket_mb} MB buckets; {kernels.name}",
+             "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop", ""]
+    head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
+    for model, params in MODELS:
+        lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients; ms per step (speedup vs torch fp32)", head]
+        for n, link in TOPOLOGIES:
+            times = {i: step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in IMPLS}
+            cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
+            lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
+        lines.append("")
+    lines += ["## Where compression pays: per element and hop, the slower of wire and kernel, fp32 ring vs codec (ps)",
+              "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's)",
+              f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
+    kernel_sets = [("GPU, assumed", kernels)] + ([("CPU, 1 thread, measured", cpu)] if cpu else [])
+    for link in dict.fromkeys(link for _, link in TOPOLOGIES):
+        for label, ks in kernel_sets:
+            base = max(4 / link.bandwidth, ks.add)
+            for codec in ("fp16", "fp8_e4m3"):
+                wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
+                lines.append(f"{link.name:<20} {label:<24} {codec:<9} {base * 1e12:>10.1f} {wire * 1e12:>11.1f} "
+                             f"{kernel * 1e12:>8.1f} {'yes' if max(wire, kernel) < base else 'no':>5}")
+    lines += ["", "## Best bucket: the smallest within 10 % of one all-reduce of the whole gradient (gradsync fp16)",
+              f"{'ranks':>5} {'link':<20}" + "".join(f"{m:>12}" for m, _ in MODELS)]
+    for n, link in TOPOLOGIES:
+        knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
+        lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
+    lines += ["", "## Where the flat ring stops scaling",
+              "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check) while its",
+              "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
+              f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>10}" for c in ("fp32", "fp16", "fp8"))]
+    for link in dict.fromkeys(link for _, link in TOPOLOGIES):
+        for mb in (25, 256):
+            ns = [latency_crossover(mb * 2**20, link, c) for c in ("none", "fp16", "fp8_e4m3")]
+            lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>10.0f}" for x in ns))
+    lines += ["Compression lowers S_wire and so lowers this n: at 512-1,024 ranks with 25 MB buckets every codec",
+              "is latency-bound over InfiniBand and Ethernet. That is the case for hierarchical sync (reduce",
+              "inside the node over NVLink, ring across nodes with n/8 ranks) or larger buckets."]
+    return "\n".join(lines)
+
+
+def validation_table(rows):
+    lines = [f"{'rate':<8} {'size':>8} {'impl':<20} {'measured':>10} {'predicted':>10} {'error':>7}"]
+    for r in rows:
+        lines.append(f"{r['rate']:<8} {r['bytes'] / 2**20:>6.2f}MB {r['impl']:<20} {r['measured_ms']:>8.1f}ms "
+                     f"{r['predicted_ms']:>8.1f}ms {100 * r['error']:>+6.0f}%")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines.append(f"worst: {100 * worst['error']:+.0f}% ({worst['impl']}, {worst['rate']}, {worst['bytes']} bytes)")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="benchmarks/results/2026-11-30-cpu-kernels.json",
+                        help="bench_kernels.py JSON with the CPU kernel costs (for --validate)")
+    parser.add_argument("--loopback", default="benchmarks/results/2026-11-30-cpu-allreduce-4ranks.json",
+                        help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
+    parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
+    parser.add_argument("--min-bytes", type=int, default=VALIDATED_MIN_BYTES, help="validate rows of at least this size")
+    parser.add_argument("--bucket-mb", type=int, default=25)
+    args = parser.parse_args()
+    if args.validate:
+        with open(args.validate) as f:
+            netem = json.load(f)
+        latency, kernels = emulated_setup(netem, args.kernels, args.loopback)
+        print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); measured hop latency "
+              f"{latency * 1e6:.0f} us; {kernels.name}")
+        print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes)))
+        print()
+    cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
+    print(projection_tables(bucket_mb=args.bucket_mb, cpu=cpu))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""gradsync.model: closed forms of the ring, and agreement with the emulated-cluster measurements."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradsync import model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+NETEM_JSON = os.path.join(RESULTS, "2026-11-30-netem-4hosts.json")
+KERNELS_JSON = os.path.join(RESULTS, "2026-11-30-cpu-kernels.json")
+LOOPBACK_JSON = os.path.join(RESULTS, "2026-11-30-cpu-allreduce-4ranks.json")
+
+FREE = model.Kernels("free", *({c: 0.0 for c in model.CODECS} for _ in range(3)), 0.0)
+NUMEL = 64 * 2**20 // 4  # divisible by n * 128 for every n used here, so chunks are exact
+
+
+def link(bandwidth=1e9, latency=0.0):
+    return model.Link("test", bandwidth, latency)
+
+
+@pytest.mark.parametrize("codec", model.CODECS)
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_zero_latency_free_kernels_is_the_bandwidth_bound(n, codec):
+    t = model.ring_time(NUMEL, n, link(), FREE, codec)
+    assert t == pytest.approx(2 * (n - 1) / n * NUMEL * model.WIRE_BYTES[codec] / 1e9, rel=1e-9)
+    assert t == pytest.approx(model.link_bound(NUMEL, n, link(), codec), rel=1e-9)
+
+
+def test_two_ranks_send_the_whole_wire_once():
+    assert model.ring_time(NUMEL, 2, link(), FREE, "fp16") == pytest.approx(NUMEL * 2 / 1e9, rel=1e-9)
+    assert model.ring_time(NUMEL, 2, link(), FREE, plain=True) == pytest.approx(NUMEL * 4 / 1e9, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 1024])
+def test_infinite_bandwidth_costs_only_the_hop_latencies(n):
+    fast = link(bandwidth=math.inf, latency=1e-5)
+    assert model.ring_time(NUMEL, n, fast, FREE, plain=True) == pytest.approx(2 * (n - 1) * 1e-5)
+    assert model.ring_time(NUMEL, n, fast, FREE, check_call=False) == pytest.approx(2 * (n - 1) * 1e-5)
+    assert model.ring_time(NUMEL, n, fast, FREE) == pytest.approx(3 * (n - 1) * 1e-5)  # + the agreement check
+
+
+def test_infinite_bandwidth_is_bound_by_the_kernels_each_rank_runs():
+    n, enc, red, dec = 4, 1e-9, 3e-9, 2e-9
+    kernels = model.Kernels("k", {"fp16": enc}, {"fp16": red}, {"fp16": dec}, 0.0)
+    t = model.ring_time(NUMEL, n, link(bandwidth=math.inf), kernels, "fp16")
+    assert t == pytest.approx(NUMEL / n * (enc + (n - 1) * red) + NUMEL * dec, rel=1e-6)
+
+
+def test_one_rank_or_nothing_costs_nothing():
+    assert model.ring_time(NUMEL, 1, link(), FREE, "fp8_e4m3") == 0.0
+    assert model.ring_time(0, 8, link(), FREE, "fp16") == 0.0
+
+
+def test_on_a_slow_link_time_follows_the_wire_bytes():
+    kernels = model.memory_bound_kernels(4.8e12, "gpu")
+    slow = link(bandwidth=125e6, latency=50e-6)
+    base = model.allreduce_time(NUMEL, 4, slow, kernels, "torch fp32")
+    for codec, ratio in [("fp16", 2.0), ("fp8_e4m3", 4 / (1 + 4 / 128))]:
+        assert base / model.allreduce_time(NUMEL, 4, slow, kernels, f"gradsync {codec}") == pytest.approx(ratio, rel=0.02)
+
+
+def test_latency_dominates_past_the_crossover():
+    ib = model.Link("ib", 50e9, 5e-6)
+    bucket = 25 * 2**20
+    n_star = model.latency_crossover(bucket, ib, "none")
+    assert 50 < n_star < 200
+    numel = bucket // 4
+    for n, latency_bound in [(int(n_star / 4), False), (int(n_star * 4), True)]:
+        t = model.ring_time(numel, n, ib, FREE, plain=True)
+        assert (2 * (n - 1) * ib.latency > t / 2) == latency_bound
+
+
+def test_buckets_never_beat_one_whole_all_reduce():
+    ib = model.Link("ib", 50e9, 5e-6)
+    whole = model.allreduce_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16")
+    for mb in model.BUCKETS_MB:
+        assert model.step_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16", mb * 2**20) >= whole * (1 - 1e-9)
+
+
+def test_importing_the_model_does_not_import_torch():
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('m', sys.argv[1]); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code, model.__file__], check=True, timeout=60)
+
+
+def test_the_tables_print():
+    text = model.projection_tables()
+    assert "ASSUMED" in text and "1024" in text and "hierarchical" in text
+
+
+def test_predictions_within_25_percent_of_every_emulated_run():
+    with open(NETEM_JSON) as f:
+        netem = json.load(f)
+    rows = model.validate(netem, KERNELS_JSON, LOOPBACK_JSON)
+    assert {r["impl"] for r in rows} == set(model.IMPLS)
+    assert {r["rate"] for r in rows} == {"500mbit", "1gbit", "2gbit"}
+    assert {r["bytes"] for r in rows} == {16 << 20, 64 << 20}
+    bad = [r for r in rows if abs(r["error"]) > 0.25]
+    assert not bad, model.validation_table(bad)

@@ -1,0 +1,152 @@
+"""benchmarks/netem: the emulated cluster's commands (dry run), its report, and a real 2-host run where root can."""
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NETEM = os.path.join(ROOT, "benchmarks", "netem")
+RUN_SH = os.path.join(NETEM, "run.sh")
+
+
+def run_sh(*args, timeout=30, **kwargs):
+    env = dict(os.environ, PYTHON=sys.executable)
+    return subprocess.run(["bash", RUN_SH, *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+
+
+def commands(stdout):
+    return [shlex.split(line.rstrip("&").strip()) for line in stdout.splitlines() if line and not line.startswith("#")]
+
+
+def test_dry_run_prints_every_command_and_touches_only_its_namespaces():
+    result = run_sh("--dry-run", "--hosts", "3", "--rate", "1gbit,2gbit", "--out", "/nowhere")
+    assert result.returncode == 0, result.stderr
+    cmds = commands(result.stdout)
+    ours = {"gsnet-sw", "gsnet-h0", "gsnet-h1", "gsnet-h2"}
+    for cmd in cmds:
+        if cmd[0] == "ip":  # every ip command names one of our namespaces
+            assert cmd[1:3] in (["netns", "add"], ["netns", "del"], ["netns", "exec"]) or cmd[1] == "-n", cmd
+            assert (cmd[3] if cmd[1] == "netns" else cmd[2]) in ours, cmd
+        elif cmd[0] == "tc":
+            assert cmd[1] == "-n" and cmd[2] in ours, cmd
+        else:
+            assert cmd[0] in ("wait", sys.executable), cmd
+    assert cmds[:4] == [["ip", "netns", "del", ns] for ns in ("gsnet-h0", "gsnet-h1", "gsnet-h2", "gsnet-sw")]
+    assert ["ip", "-n", "gsnet-sw", "link", "add", "p2", "type", "veth", "peer", "name", "eth0", "netns", "gsnet-h2"] in cmds
+    assert not any(c[:2] == ["ip", "route"] or "route" in c for c in cmds)  # no way out of the namespaces
+
+    shapers = [c for c in cmds if c[0] == "tc"]
+    bursts = {c[c.index("rate") + 1]: int(c[c.index("burst") + 1]) for c in shapers}
+    assert len(shapers) == 6 and bursts == {"1gbit": 500_000, "2gbit": 1_000_000}  # 4 ms of traffic
+
+    ranks = [c for c in cmds if c[1:3] == ["netns", "exec"]]
+    assert len(ranks) == 6
+    for i, cmd in enumerate(ranks[:3]):
+        env = dict(arg.split("=", 1) for arg in cmd[cmd.index("env") + 1:cmd.index("timeout")])
+        assert env == {"RANK": str(i), "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth0"}
+        assert cmd[3] == f"gsnet-h{i}" and ("--json" in cmd) == (i == 0)
+
+
+def test_dry_run_changes_nothing():
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if shutil.which("ip") else ""
+    assert run_sh("--dry-run", "--out", "/nonexistent/folder").returncode == 0
+    assert not os.path.exists("/nonexistent/folder")
+    if shutil.which("ip"):
+        assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+@pytest.mark.parametrize("args", [["--hosts", "1"], ["--rate", "1gb"], ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
+def test_bad_arguments_fail_before_anything_runs(args):
+    result = run_sh("--dry-run", *args)
+    assert result.returncode == 2 and "run.sh:" in result.stderr
+    assert "ip netns add" not in result.stdout
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("netem_report", os.path.join(NETEM, "report.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_bound_and_targets(tmp_path):
+    report = load_report()
+    assert report.rate_bps("500mbit") == 5e8 and report.rate_bps("1gbit") == 1e9
+    assert report.link_bound_s(4, 64e6, 1e9) == pytest.approx(1.5 * 64e6 * 8 / 1e9)
+    assert report.link_bound_s(2, 1e6, 8e6) == pytest.approx(1.0)
+    impls = {"torch fp32": (4, 1000.0), "gradsync none": (4, 1050.0), "gradsync fp16": (2, 500.0),
+             "gradsync bf16": (2, 520.0), "gradsync fp8_e4m3": (1.03, 320.0), "gradsync fp8_e5m2": (1.03, 290.0)}
+    rows = [{"bytes": 2**26, "impl": impl, "time_ms": ms, "wire_bytes": int(2**24 * w), "speedup": 1000.0 / ms}
+            for impl, (w, ms) in impls.items()]
+    path = tmp_path / "rate-1gbit.json"
+    path.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": rows}))
+    out, _ = report.load([str(path)])
+    targets = {t["target"]: t["met"] for t in report.check_targets(out)}
+    assert targets == {"gradsync fp16 >= 1.8x torch fp32": True, "gradsync fp8_e4m3 >= 3.3x torch fp32": False,
+                       "gradsync fp8_e5m2 >= 3.3x torch fp32": True, "gradsync none within 10 % of torch fp32": True,
+                       "every gradsync codec >= 85 % of its link bound": False}
+
+
+def can_make_namespaces(prefix):
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc") or not shutil.which("timeout"):
+        return False
+    probe = subprocess.run(["ip", "netns", "add", prefix + "sw"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", prefix + "sw"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.fixture
+def prefix():
+    """A prefix of this test's own, so that a concurrent run elsewhere is never cleaned up by it."""
+    if os.environ.get("GRADSYNC_NETEM_TESTS") != "1":
+        pytest.skip("real emulated-cluster runs take 10-15 s each: set GRADSYNC_NETEM_TESTS=1")
+    name = f"gst{os.getpid() % 100000}-"
+    if not can_make_namespaces(name):
+        pytest.skip("needs root, iproute2 (ip netns, tc) and coreutils timeout")
+    yield name
+    assert not [ns for ns in namespaces() if ns.startswith(name)], "namespaces left behind"
+
+
+def namespaces():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+SMOKE = ["--hosts", "2", "--rate", "1gbit", "--timeout", "60", "--", "--min-bytes", "256K", "--max-bytes", "256K",
+         "--impls", "torch fp32", "gradsync fp16", "--budget-bytes", "1M"]
+
+
+def test_two_hosts_for_real(prefix, tmp_path):
+    result = run_sh("--prefix", prefix, "--out", str(tmp_path), *SMOKE, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "netem.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch fp32", "gradsync fp16"] and all(r["time_ms"] > 0 for r in rows)
+
+
+def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
+    failing = run_sh("--prefix", prefix, "--out", str(tmp_path), "--hosts", "2", "--", "--no-such-flag", timeout=120)
+    assert failing.returncode == 1 and "a rank failed" in failing.stderr
+    assert not [ns for ns in namespaces() if ns.startswith(prefix)]
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *SMOKE], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(ns == prefix + "h1" for ns in namespaces()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the ranks are starting
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not [ns for ns in namespaces() if ns.startswith(prefix)]
