@@ -1,0 +1,167 @@
+"""Training-step benchmark: DDP's default all-reduce, torch's fp16 hook, gradsync's hooks and
+gradsync.DataParallel on a model of GPT-2 small's parameter count.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--params 124M] [--json out.json]
+
+The model is a deep MLP (GPT-2 small's 124M parameters in 12 square layers) so that a CPU step is
+dominated by gradient traffic as in real data parallelism, not by attention kernels. Rows are
+measured interleaved, step by step, in one run. Two extra rows show the overlap: "compute only"
+(backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
+the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
+communication ran while backward computed.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import gradsync  # noqa: E402
+from gradsync import hooks  # noqa: E402
+
+COLUMNS = [("mode", "mode", 30, str), ("step(ms)", "step_ms", 10, common.fixed(1)),
+           ("wire/step", "wire_bytes", 11, common.format_bytes), ("vs DDP", "speedup", 8, common.ratio),
+           ("vs torch fp16", "vs_torch_fp16", 14, common.ratio)]
+
+
+def deep_mlp(params, layers=12, device="cpu"):
+    width = int((params / layers) ** 0.5)
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*blocks).to(device), width
+
+
+class Timeline:
+    """Wraps a hook to record, per bucket, when its all-reduce was issued and when it completed."""
+
+    def __init__(self, hook):
+        self.hook, self.events = hook, []
+        self.__name__ = self.__qualname__ = "timeline_" + hook.__name__
+
+    def __call__(self, state, bucket):
+        issued = time.perf_counter()
+
+        def done(fut):
+            self.events.append((issued, time.perf_counter()))
+            return fut.value()
+        return self.hook(state, bucket).then(done)
+
+
+TIMELINE = Timeline(hooks.fp16_compress_hook)
+
+
+def overlap(model, step, timeline):
+    """(buckets done before the last one was issued, their count, ms of communication inside backward)."""
+    timeline.events.clear()
+    step(model)
+    last_issue = max(issued for issued, _ in timeline.events)
+    inside = sum(max(0.0, min(done, last_issue) - issued) for issued, done in timeline.events)
+    return sum(done <= last_issue for _, done in timeline.events), len(timeline.events), 1e3 * inside
+
+
+def wrapped(model, mode):
+    if mode == "gradsync.DataParallel fp16":
+        return gradsync.DataParallel(model, codec="fp16")
+    ddp = DDP(model)
+    hook = {"torch fp16 hook": (None, default_hooks.fp16_compress_hook),
+            "gradsync fp16 hook": (None, TIMELINE),
+            "gradsync bf16 hook": (None, hooks.bf16_compress_hook),
+            "gradsync fp8 hook": (None, hooks.fp8_compress_hook),
+            "gradsync fp8+EF hook": (hooks.GradSyncState(error_feedback=True), hooks.fp8_compress_hook)}.get(mode)
+    if hook:
+        ddp.register_comm_hook(*hook)
+    return ddp
+
+
+WIRE = {"DDP default (fp32)": 4, "torch fp16 hook": 2, "gradsync fp16 hook": 2, "gradsync bf16 hook": 2,
+        "gradsync fp8 hook": 1 + 4 / 128, "gradsync fp8+EF hook": 1 + 4 / 128, "gradsync.DataParallel fp16": 2}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=124e6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (after one warm-up step)")
+    parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cpu")
+    width = deep_mlp(args.params, device="meta")[1]
+    numel = sum(p.numel() for p in deep_mlp(args.params, device="meta")[0].parameters())
+    x = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(rank))
+
+    def step(model, sync=True):
+        model.zero_grad(set_to_none=False)
+        with (model.no_sync() if not sync else torch.enable_grad()):
+            model(x).square().mean().backward()
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    # communication alone: gradsync fp16 all-reduces of DDP-sized buckets
+    bucket = 25 * 2**20 // 4
+    buckets = [torch.randn(min(bucket, numel - i)) for i in range(0, numel, bucket)]
+
+    def communicate():
+        works = [gradsync.all_reduce(b, codec="fp16", async_op=True) for b in buckets]
+        for w in works:
+            w.wait()
+
+    # One model at a time (memory); modes alternate over passes so that drifts hit all of them.
+    samples = {mode: [] for mode in list(WIRE) + ["compute only (no_sync)", "communication only (gradsync fp16)"]}
+    passes = 2
+    for _ in range(passes):
+        for mode in WIRE:
+            model = wrapped(deep_mlp(args.params, device=device)[0], mode)
+            step(model)  # warm-up
+            samples[mode] += [timed(lambda: step(model)) for _ in range(max(1, args.steps // passes))]
+            if mode == "gradsync fp16 hook":
+                timeline = overlap(model, step, TIMELINE)
+            if mode == "DDP default (fp32)":
+                samples["compute only (no_sync)"] += [timed(lambda: step(model, sync=False))
+                                                      for _ in range(max(1, args.steps // passes))]
+            del model
+        samples["communication only (gradsync fp16)"] += [timed(communicate) for _ in range(max(1, args.steps // passes))]
+    medians = {mode: statistics.median(s) for mode, s in samples.items()}
+    rows = []
+    for mode, ms in medians.items():
+        wire = 2 * (n - 1) / n * WIRE.get(mode, 2 if "communication" in mode else 0) * numel
+        rows.append({"mode": mode, "step_ms": ms, "wire_bytes": wire, "speedup": medians["DDP default (fp32)"] / ms,
+                     "vs_torch_fp16": medians["torch fp16 hook"] / ms})
+    if rank == 0:
+        title = (f"training step, {numel / 1e6:.0f}M-parameter MLP ({args.batch} rows/rank), {n} ranks, gloo on "
+                 f"{common.machine_description(device)}; gradsync {gradsync.__version__}")
+        common.print_table(title, rows, COLUMNS)
+        compute, comm = medians["compute only (no_sync)"], medians["communication only (gradsync fp16)"]
+        hook = medians["gradsync fp16 hook"]
+        hidden = (compute + comm - hook) / min(compute, comm)
+        print(f"compute {compute:.0f} ms + communication {comm:.0f} ms = {compute + comm:.0f} ms; gradsync fp16 hook "
+              f"step {hook:.0f} ms ({100 * max(0.0, hidden):.0f}% of the shorter one hidden)")
+        print(f"overlap timeline (gradsync fp16 hook): {timeline[0]} of {timeline[1]} buckets finished their "
+              f"all-reduce while backward was still computing; {timeline[2]:.0f} ms of communication ran during backward")
+        if args.json:
+            common.write_json(args.json, title, rows, {"ranks": n, "params": numel, "overlap_hidden": hidden,
+                                                       "timeline": timeline,
+                                                       "gradsync": gradsync.__version__, "torch": torch.__version__})
+    gradsync.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
