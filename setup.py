@@ -27,7 +27,7 @@ except ImportError:
 
 
 def read_sources():
-    sources = {"core": [], "cuda": [], "bindings": []}
+    sources = {"core": [], "cuda": [], "nccl": [], "bindings": []}
     for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
@@ -126,7 +126,7 @@ def main():
         arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
         ext = CUDAExtension(
             "gradsync._C",
-            sources=sources["core"] + sources["cuda"] + sources["bindings"],
+            sources=sources["core"] + sources["cuda"] + sources["nccl"] + sources["bindings"],
             include_dirs=include_dirs + [nccl_include],
             define_macros=[("GRADSYNC_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--fmad=false"]},

@@ -51,7 +51,41 @@ void RingWork::complete(std::exception_ptr error) {
 RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : transport_(std::move(group)), worker_([this] { run(); }) {}
 
-RingEngine::~RingEngine() { stop(); }
+RingEngine::~RingEngine() {
+  stop();
+#ifdef GRADSYNC_WITH_CUDA
+  if (nccl_) {
+    cudaSetDevice(nccl_->device());
+    nccl_.reset();
+    cudaStreamDestroy(compute_stream_);
+    cudaStreamDestroy(wire_stream_);
+  }
+#endif
+}
+
+void RingEngine::attach_nccl(const std::string& unique_id, int device, double timeout_s) {
+#ifdef GRADSYNC_WITH_CUDA
+  TORCH_CHECK(!nccl_, "gradsync: this group already has an NCCL communicator");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device);
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
+  nccl_timeout_ms_ = static_cast<int64_t>(timeout_s * 1000);
+  std::lock_guard<std::mutex> lock(mutex_);  // published to the worker through the queue's mutex
+  nccl_ = std::move(comm);
+#else
+  (void)unique_id, (void)device, (void)timeout_s;
+  TORCH_CHECK(false, "gradsync was built without CUDA");
+#endif
+}
+
+int RingEngine::nccl_device() const {
+#ifdef GRADSYNC_WITH_CUDA
+  return nccl_ ? nccl_->device() : -1;
+#else
+  return -1;
+#endif
+}
 
 void RingEngine::stop() {
   {
@@ -133,11 +167,22 @@ void RingEngine::run() {
   }
 }
 
-uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, bool pinned) {
-  if (!buffer.defined() || buffer.numel() < bytes || buffer.is_pinned() != pinned) {
-    buffer = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned) {
+  pinned = pinned && device.is_cpu();
+  if (!buffer.defined() || buffer.numel() < bytes || buffer.device() != device ||
+      (device.is_cpu() && buffer.is_pinned() != pinned)) {
+    buffer = at::empty({std::max<int64_t>(bytes, 1)},
+                       at::TensorOptions().dtype(at::kByte).device(device).pinned_memory(pinned));
   }
   return buffer.data_ptr<uint8_t>();
+}
+
+void RingEngine::set_error_feedback(RingKernels& kernels, const Job& job, const RingPlan& plan) {
+  const at::Tensor& residual = job.options.residual;
+  if (!residual.defined()) return;
+  const int64_t stride = plan.max_slice_len();
+  static_cast<CodecRingKernels&>(kernels).set_error_feedback(residual.data_ptr<float>(),
+                                                             scratch(2 * stride, job.tensor.device()), stride);
 }
 
 float* RingEngine::scratch(int64_t floats, const at::Device& device) {
@@ -161,6 +206,9 @@ void RingEngine::execute(Job& job) {
   int64_t slice_elems = std::max<int64_t>(1, o.slice_bytes / wire_size);
   while (ring_tag_span(RingPlan(t.numel(), n, slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
   const RingPlan plan(t.numel(), n, slice_elems);
+#ifdef GRADSYNC_WITH_CUDA
+  if (t.is_cuda() && nccl_) return execute_nccl(job, plan, slice_elems);
+#endif
 
   if (o.check_call) {
     const RingCall call{t.numel(), static_cast<int32_t>(dtype), static_cast<int32_t>(o.codec),
@@ -183,20 +231,60 @@ void RingEngine::execute(Job& job) {
     kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                                                static_cast<float>(o.postscale));
   }
-  if (o.residual.defined()) {
-    const int64_t stride = plan.max_slice_len();
-    static_cast<CodecRingKernels&>(*kernels).set_error_feedback(o.residual.data_ptr<float>(),
-                                                               scratch(2 * stride, t.device()), stride);
-  }
+  set_error_feedback(*kernels, job, plan);
   std::vector<int64_t> offsets;
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
-  uint8_t* recv_image = workspace(recv_image_, image_bytes, pinned);
-  uint8_t* send_image = workspace(send_image_, image_bytes, pinned);
+  uint8_t* recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
+  uint8_t* send_image = workspace(send_image_, image_bytes, at::kCPU, pinned);
   ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
 }
 
+#ifdef GRADSYNC_WITH_CUDA
+void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems) {
+  const at::Tensor& t = job.tensor;
+  const RingOptions& o = job.options;
+  TORCH_CHECK(t.device().index() == nccl_->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
+              nccl_->device(), " but the tensor is on ", t.device());
+  const c10::cuda::CUDAGuard guard(t.device());
+  const DType dtype = dtype_of(t);
+  const int n = size();
+  C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
+  NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+  if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
+    const RingCall call{t.numel(), static_cast<int32_t>(dtype), static_cast<int32_t>(o.codec),
+                        static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+    const int64_t record = sizeof(RingCall);
+    at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
+    auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
+    C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
+    exchange_ring_calls(transport, records, 0);
+    nccl_->synchronize(compute_stream_, nccl_timeout_ms_);
+    std::vector<RingCall> host(n);
+    C10_CUDA_CHECK(cudaMemcpy(host.data(), records, n * record, cudaMemcpyDeviceToHost));
+    compare_ring_calls(host.data(), n);
+  }
+  CudaRingKernels kernels(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
+                          static_cast<float>(o.postscale), compute_stream_, /*synchronize=*/false);
+  set_error_feedback(kernels, job, plan);
+  std::vector<int64_t> offsets;
+  const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
+  uint8_t* recv_image = workspace(recv_image_, image_bytes, t.device(), false);
+  uint8_t* send_image = workspace(send_image_, image_bytes, t.device(), false);
+  ring_allreduce(transport, kernels, plan, recv_image, send_image, 0);
+  nccl_->synchronize(compute_stream_, nccl_timeout_ms_);
+}
+#endif
+
 void bind_ring(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("nccl_unique_id", []() {
+#ifdef GRADSYNC_WITH_CUDA
+    return py::bytes(NcclComm::unique_id());
+#else
+    TORCH_CHECK(false, "gradsync was built without CUDA");
+    return py::bytes();
+#endif
+  });
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)
@@ -207,6 +295,9 @@ void bind_ring(pybind11::module& m) {
       .def("abandon_group", &RingEngine::abandon_group)
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
+      .def_property_readonly("nccl_device", &RingEngine::nccl_device)
+      .def("attach_nccl", &RingEngine::attach_nccl, py::arg("unique_id"), py::arg("device"), py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",
           [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,

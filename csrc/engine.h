@@ -13,7 +13,12 @@
 #include <string>
 #include <thread>
 
+#include "ring/ring_allreduce.h"
+#include "ring/ring_plan.h"
 #include "transport/process_group.h"
+#ifdef GRADSYNC_WITH_CUDA
+#include "transport/nccl.h"
+#endif
 
 namespace gradsync {
 
@@ -56,6 +61,10 @@ class RingEngine {
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
+  // CUDA tensors of this group travel over gradsync's own NCCL communicator from now on (all ranks
+  // call this together, with the unique id rank 0 made). Failed or timed-out calls abort it.
+  void attach_nccl(const std::string& unique_id, int device, double timeout_s);
+  int nccl_device() const;
 
  private:
   struct Job {
@@ -68,7 +77,9 @@ class RingEngine {
   };
   void run();
   void execute(Job& job);
-  uint8_t* workspace(at::Tensor& buffer, int64_t bytes, bool pinned);
+  void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
+  void set_error_feedback(RingKernels& kernels, const Job& job, const RingPlan& plan);
+  uint8_t* workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned);
   float* scratch(int64_t floats, const at::Device& device);
 
   ProcessGroupTransport transport_;
@@ -79,6 +90,11 @@ class RingEngine {
   std::string broken_;  // set once a transport failure left messages in flight
   uint32_t sequence_ = 0;
   at::Tensor recv_image_, send_image_, scratch_;
+#ifdef GRADSYNC_WITH_CUDA
+  std::unique_ptr<NcclComm> nccl_;
+  int64_t nccl_timeout_ms_ = 0;
+  cudaStream_t compute_stream_ = nullptr, wire_stream_ = nullptr;
+#endif
   std::thread worker_;
 };
 

@@ -2,8 +2,9 @@
 
 Each hop decodes what it receives, adds the local contribution in fp32 and re-encodes; the fully
 reduced chunk is encoded once and every rank decodes the same bytes, so the result is bitwise
-identical on every rank. It runs over any torch.distributed process group (gloo on CPU; CUDA
-tensors over a non-NCCL group travel through pinned host memory).
+identical on every rank. It runs over any torch.distributed process group: CUDA tensors of an NCCL group
+travel over gradsync's own NCCL communicator, made once per group; CPU tensors (gloo), and CUDA
+tensors of a non-NCCL group through pinned host memory, over the group's own send/recv.
 """
 import atexit
 import math
@@ -102,11 +103,42 @@ def _resolve_group(group):
     return group
 
 
-def _engine(group):
+def _engine(group, tensor):
     engine = _engines.get(group)
     if engine is None:
         engine = _engines[group] = _C.RingEngine(group)
+    if tensor.is_cuda and _uses_nccl(group):
+        if engine.nccl_device < 0:
+            _attach_nccl(engine, group, tensor.device)
+        elif engine.nccl_device != tensor.device.index:
+            raise ValueError(f"tensor is on {tensor.device}, but this rank's gradsync NCCL communicator for the group "
+                             f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
     return engine
+
+
+def _uses_nccl(group):
+    """Whether the group moves CUDA tensors with NCCL ("nccl", or "cuda:nccl" in a combined backend)."""
+    backend = str(dist.get_backend(group)).lower()
+    return backend == "nccl" or "cuda:nccl" in backend
+
+
+def _group_timeout_s(group):
+    """The timeout the group was created with (init_process_group / new_group), else NCCL's default."""
+    try:
+        return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        default = dist.distributed_c10d.default_pg_nccl_timeout
+        return default.total_seconds() if default is not None else 600.0
+
+
+def _attach_nccl(engine, group, device):
+    """gradsync's own NCCL communicator for the group: rank 0 makes the unique id, which travels to
+    the other ranks through the group itself, then every rank joins (ncclCommInitRank)."""
+    if not _C.build_info()["cuda"]:
+        raise RuntimeError("gradsync was built without CUDA: it cannot all-reduce CUDA tensors")
+    unique_id = [_C.nccl_unique_id() if group.rank() == 0 else None]
+    dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group, device=device)
+    engine.attach_nccl(unique_id[0], device.index, _group_timeout_s(group))
 
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
@@ -142,7 +174,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         _check_residual(residual, tensor)
     group = _resolve_group(group)
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-    work = _engine(group).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES,
+    work = _engine(group, tensor).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES,
                                      residual)
     handle = AllReduceWork(work, tensor)
     if async_op:

@@ -15,12 +15,14 @@ import time
 import traceback
 
 
-def _worker(rank, size, init_file, conn, group_timeout_s):
+def _worker(rank, size, init_file, conn, group_timeout_s, backend):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
         while True:
@@ -41,7 +43,7 @@ def _worker(rank, size, init_file, conn, group_timeout_s):
 
 
 class World:
-    def __init__(self, size, *, group_timeout_s=60):
+    def __init__(self, size, *, group_timeout_s=60, backend="gloo"):
         context = multiprocessing.get_context("spawn")
         self.size = size
         self.folder = tempfile.mkdtemp(prefix="gradsync-world-")
@@ -49,7 +51,7 @@ class World:
         self.conns, self.procs = [], []
         for rank in range(size):
             parent, child = context.Pipe()
-            proc = context.Process(target=_worker, args=(rank, size, init_file, child, group_timeout_s), daemon=True)
+            proc = context.Process(target=_worker, args=(rank, size, init_file, child, group_timeout_s, backend), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

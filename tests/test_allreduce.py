@@ -381,3 +381,60 @@ def test_bad_input(call, error, words):
     with pytest.raises(error) as info:
         call()
     assert words in str(info.value)
+
+
+def nccl_world_of_one(rank, size):
+    """gradsync's own NCCL communicator at world size 1: its bootstrap, the device-memory agreement
+    check, the paired schedule's kernels, futures and error feedback, against the CPU codecs."""
+    group = dist.distributed_c10d._get_default_group()
+    same = {}
+    for codec in gradsync.CODECS:
+        x = rank_input(rank, 100003, torch.float32, seed=8)
+        expected = gradsync.decompress(gradsync.compress(x, codec), codec, x.numel())
+        on_gpu = x.cuda()
+        gradsync.all_reduce(on_gpu, codec=codec)
+        same[codec] = torch.equal(on_gpu.cpu().view(torch.uint8), expected.view(torch.uint8))
+    future = gradsync.all_reduce(x.cuda(), codec="fp16", async_op=True).get_future()
+    same["future"] = torch.equal(future.wait().cpu(), gradsync.decompress(gradsync.compress(x, "fp16"), "fp16", x.numel()))
+    residual = torch.zeros(x.numel(), device="cuda")
+    gradsync.all_reduce(x.cuda(), codec="fp8_e4m3", residual=residual)
+    same["feedback"] = bool(residual.abs().max() > 0)
+    same["nccl"] = gradsync.distributed._engines[group].nccl_device == 0
+    return same
+
+
+@pytest.mark.cuda
+def test_nccl_transport_at_world_size_one():
+    world = World(1, backend="nccl")
+    try:
+        same = world.run(nccl_world_of_one)[0]
+    finally:
+        world.close()
+    assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
+def nccl_matches_the_cpu_ring(rank, size):
+    gloo = dist.new_group(backend="gloo")
+    same = {}
+    for codec in gradsync.CODECS:
+        for dtype_name, dtype in DTYPES.items():
+            x = rank_input(rank, 300007, dtype, seed=9)
+            on_cpu, on_gpu = x.clone(), x.cuda()
+            gradsync.all_reduce(on_cpu, codec=codec, group=gloo)
+            gradsync.all_reduce(on_gpu, codec=codec)
+            same[(codec, dtype_name)] = torch.equal(on_gpu.cpu().view(torch.uint8), on_cpu.view(torch.uint8))
+    return same, digest(on_gpu.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_ring_matches_the_cpu_ring_bitwise():
+    size = min(torch.cuda.device_count(), 4)
+    world = World(size, backend="nccl")
+    try:
+        results = world.run(nccl_matches_the_cpu_ring)
+    finally:
+        world.close()
+    for same, _ in results:
+        assert all(same.values()), [case for case, ok in same.items() if not ok]
+    assert len({d for _, d in results}) == 1

@@ -99,18 +99,20 @@ uint32_t ring_tag_span(const RingPlan& plan) {
   return static_cast<uint32_t>(2 * std::max(plan.ranks() - 1, 1) * std::max(plan.max_slices(), 1));
 }
 
-void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
+void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
   const int n = t.size(), r = t.rank();
-  if (n == 1) return;
-  // all-gather of the records around the ring: step s forwards the record of rank r - s
-  std::vector<RingCall> table(n);
-  table[r] = call;
+  // all-gather around the ring: step s forwards the record of rank r - s
   for (int s = 0; s < n - 1; ++s) {
+    t.group_begin();
     const int64_t h = t.recv(&table[mod(r - s - 1, n)], sizeof(RingCall), mod(r - 1, n), tag + s);
     t.send(&table[mod(r - s, n)], sizeof(RingCall), mod(r + 1, n), tag + s);
+    t.group_end();
     t.wait(h);
   }
   t.wait_all();
+}
+
+void compare_ring_calls(const RingCall* table, int n) {
   std::ostringstream diff;
   for (int i = 0; i < n; ++i) {
     const RingCall& c = table[i];
@@ -127,6 +129,15 @@ void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
   }
 }
 
+void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
+  const int n = t.size();
+  if (n == 1) return;
+  std::vector<RingCall> table(n);
+  table[t.rank()] = call;
+  exchange_ring_calls(t, table.data(), tag);
+  compare_ring_calls(table.data(), n);
+}
+
 void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base) {
   const int n = plan.ranks(), r = t.rank(), next = mod(r + 1, n), prev = mod(r - 1, n);
@@ -140,6 +151,48 @@ void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, ui
   if (n == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
     for (int k = 0; k < plan.slices(0); ++k) kernels.encode(plan.slice_begin(0, k), plan.slice_len(0, k), slot(send_image, 0, k));
     for (int k = 0; k < plan.slices(0); ++k) kernels.decode(slot(send_image, 0, k), plan.slice_begin(0, k), plan.slice_len(0, k));
+    return;
+  }
+  const int own = mod(r + 1, n);
+  auto landing = [&](int c, int k) -> uint8_t* {
+    void* direct = kernels.result_as_payload(plan.slice_begin(c, k));
+    return direct ? static_cast<uint8_t*>(direct) : slot(recv_image, c, k);
+  };
+
+  if (!t.posts_receives_ahead()) {
+    // Stream-ordered: hop (step, slice) sends and receives in one group; every rank issues the hops
+    // in the same order, and a chunk with fewer slices leaves its partner's receive unpaired.
+    auto hop = [&](int step, int send_c, uint8_t* send_at, int recv_c, uint8_t* recv_at, int k) {
+      t.group_begin();
+      if (k < plan.slices(send_c)) t.send(send_at, bytes(send_c, k), next, tag(step, k));
+      const int64_t h = k < plan.slices(recv_c) ? t.recv(recv_at, bytes(recv_c, k), prev, tag(step, k)) : -1;
+      t.group_end();
+      t.wait(h);
+      return h >= 0;
+    };
+    for (int k = 0; k < plan.slices(r); ++k) kernels.encode(plan.slice_begin(r, k), plan.slice_len(r, k), slot(send_image, r, k));
+    for (int s = 0; s < n - 1; ++s) {
+      const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
+      for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
+        if (hop(s, cs, slot(send_image, cs, k), cr, slot(recv_image, cr, k), k)) {
+          kernels.reduce_encode(slot(recv_image, cr, k), plan.slice_begin(cr, k), plan.slice_len(cr, k), slot(send_image, cr, k));
+        }
+      }
+    }
+    t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
+    for (int s = 0; s < n - 1; ++s) {
+      const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
+      for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
+        uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? slot(send_image, own, k) : landing(cs, k)) : nullptr;
+        if (hop(n - 1 + s, cs, payload, cr, landing(cr, k), k) && landing(cr, k) == slot(recv_image, cr, k)) {
+          kernels.decode(slot(recv_image, cr, k), plan.slice_begin(cr, k), plan.slice_len(cr, k));
+        }
+      }
+      if (s == 0) {
+        for (int k = 0; k < plan.slices(own); ++k) kernels.decode(slot(send_image, own, k), plan.slice_begin(own, k), plan.slice_len(own, k));
+      }
+    }
+    t.wait_all();
     return;
   }
 
@@ -166,11 +219,6 @@ void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, ui
 
   // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
   // forwards it, then decodes it into the result (or receives it there, when decoding is a copy).
-  const int own = mod(r + 1, n);
-  auto landing = [&](int c, int k) -> uint8_t* {
-    void* direct = kernels.result_as_payload(plan.slice_begin(c, k));
-    return direct ? static_cast<uint8_t*>(direct) : slot(recv_image, c, k);
-  };
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
     for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(landing(c, k), bytes(c, k), prev, tag(n - 1 + s, k));

@@ -132,6 +132,11 @@ uint32_t ring_tag_span(const RingPlan& plan);
 
 // Exchanges `call` around the ring; throws on every rank, naming the ranks that differ, if any do.
 void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
+// The two halves, for transports whose memory the host cannot read directly: an all-gather of every
+// rank's record into `table` (n records, this rank's at its index, in transport memory), and the
+// comparison (throws std::invalid_argument).
+void exchange_ring_calls(Transport& transport, RingCall* table, uint32_t tag);
+void compare_ring_calls(const RingCall* table, int n);
 
 // The all-reduce. `recv_image` and `send_image` are workspaces of plan.layout(...) bytes each, in
 // memory the transport and the kernels can both use. The result is written only in the all-gather,

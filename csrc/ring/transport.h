@@ -19,6 +19,16 @@ class Transport {
   virtual void wait(int64_t handle) = 0;
   // Blocks until every posted message is complete; throws on failure or timeout.
   virtual void wait_all() = 0;
+
+  // A rendezvous transport (gloo) moves nothing before the receive exists, so the ring posts every
+  // receive of a phase up front. A stream-ordered transport (NCCL) runs messages in the order they
+  // were issued, so the ring issues each hop's send and receive together, inside group_begin/end.
+  virtual bool posts_receives_ahead() const { return true; }
+  virtual void group_begin() {}
+  virtual void group_end() {}
+  // Messages issued after this are ordered after every kernel issued before it (a no-op where the
+  // kernels finish before they return).
+  virtual void fence() {}
 };
 
 }  // namespace gradsync

@@ -1,0 +1,72 @@
+// Transport over gradsync's own NCCL communicator: stream-ordered point-to-point messages.
+//
+// A message is a ncclSend/ncclRecv on the `wire` stream; each ring hop pairs its send and receive in
+// one NCCL group. The kernels run on the `compute` stream: a send first waits (on the device) for the
+// kernels issued before it, and wait(handle) makes later kernels wait for that receive, so the host
+// never blocks inside the ring. NcclComm::synchronize is the only host wait: it polls the stream
+// and NCCL's asynchronous error, and aborts the communicator on an error or after the timeout, so a
+// dead peer makes the survivors raise instead of hanging in a kernel forever.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ring/transport.h"
+
+namespace gradsync {
+
+class NcclComm {
+ public:
+  static std::string unique_id();  // the bytes of a fresh ncclUniqueId (made by rank 0)
+  NcclComm(const std::string& unique_id, int rank, int size, int device);
+  ~NcclComm();  // ncclCommDestroy, or ncclCommAbort once a failure has been seen
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  ncclComm_t get() const { return comm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  // Blocks until `stream` has drained. On an NCCL or CUDA error, or after timeout_ms, aborts the
+  // communicator (peers blocked on it fail too) and throws.
+  void synchronize(cudaStream_t stream, int64_t timeout_ms);
+  // Throws, with NCCL's own message, if `result` is an error.
+  void check(ncclResult_t result, const char* what);
+
+ private:
+  void abort();
+  ncclComm_t comm_ = nullptr;
+  int rank_, size_, device_;
+  bool aborted_ = false;
+};
+
+class NcclTransport : public Transport {
+ public:
+  NcclTransport(NcclComm& comm, cudaStream_t compute, cudaStream_t wire) : comm_(comm), compute_(compute), wire_(wire) {}
+  ~NcclTransport() override;
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+  bool posts_receives_ahead() const override { return false; }
+  void group_begin() override;
+  void group_end() override;
+  void fence() override;
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override;
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override;
+  void wait(int64_t handle) override;
+  void wait_all() override;
+
+ private:
+  cudaEvent_t record(cudaStream_t stream);
+  NcclComm& comm_;
+  cudaStream_t compute_, wire_;
+  int depth_ = 0;
+  std::vector<cudaEvent_t> done_;        // per receive handle: recorded on `wire` after it
+  std::vector<int64_t> in_group_;        // receives of the open group, recorded at group_end
+  std::vector<cudaEvent_t> owned_;       // every event made, destroyed with the transport
+};
+
+}  // namespace gradsync
