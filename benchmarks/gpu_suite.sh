@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: on a GPU machine with torch, nvcc, ninja and cupy preinstalled (no network needed),
-# builds gradsync, runs every test (the CUDA ones included) and the kernel benchmarks, and writes
+# builds gradsync, runs every test (the CUDA ones included), the kernel benchmarks and a one-rank
+# all-reduce over the NCCL transport, and writes
 # logs and JSON into OUTDIR. Target: under 8 minutes on one H200.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
@@ -33,6 +34,11 @@ timeout 300 $python -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$out/
 echo "== kernel benchmarks [$((SECONDS - started))s]"
 timeout 240 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
   --plot "$out/bench_kernels_cuda.png" 2>&1 | tee "$out/bench_kernels_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]"
+timeout 120 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
+  --max-bytes 256M --json "$out/bench_allreduce_cuda_1rank.json" 2>&1 | tee "$out/bench_allreduce_cuda_1rank.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done in $((SECONDS - started))s, status $status"
