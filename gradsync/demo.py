@@ -1,7 +1,8 @@
 """gradsync's demo: one small transformer trained under fp32 DDP, torch's fp16 hook, gradsync's hooks
 and gradsync.DataParallel, side by side.
 
-    python -m gradsync.demo                       # 2 local processes (gloo, CPU)
+    python -m gradsync.demo                       # 2 local processes: NCCL across the GPUs if there
+                                                  # are enough, else gloo on CPU
     python -m gradsync.demo --steps 100 --plot losses.png
     torchrun --nproc-per-node 4 -m gradsync.demo
 
@@ -120,13 +121,12 @@ def train(kind, args, rank, world, device, language, log):
 
 
 def run(args, rank, world):
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     log = (lambda text: print(text, flush=True)) if rank == 0 else (lambda text: None)
     language = Language()
     numel = sum(p.numel() for p in TinyLM().parameters())
-    log(f"gradsync {gradsync.__version__} demo: {world} ranks on {device.type} (gloo), a {numel / 1e3:.0f}k-parameter "
+    log(f"gradsync {gradsync.__version__} demo: {world} ranks on {device.type} ({dist.get_backend()}), "
+        f"a {numel / 1e3:.0f}k-parameter "
         f"transformer, {args.steps} steps per mode")
     results = {}
     for mode in args.modes:
@@ -165,10 +165,16 @@ def report(results, args, language):
     print(f"loss curves: {args.plot}")
 
 
+def backend_for(device):
+    return "nccl" if device == "cuda" else "gloo"
+
+
 def worker(rank, world, init_file, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend_for(args.device), init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         run(args, rank, world)
@@ -182,11 +188,15 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: one GPU per rank, gradients over gloo through pinned memory")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cuda: one GPU per rank over NCCL (the default when every rank can have its own GPU); "
+                        "cpu: gloo")
     p.add_argument("--plot", default="gradsync-demo.png", help="where to save the loss curves")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     args = p.parse_args(argv)
+    if args.device is None:
+        ranks = int(os.environ.get("WORLD_SIZE", args.nproc))
+        args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
@@ -198,7 +208,9 @@ def main(argv=None):
     args = parse(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
-        dist.init_process_group("gloo")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend_for(args.device))
         try:
             run(args, dist.get_rank(), dist.get_world_size())
         finally:

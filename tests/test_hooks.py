@@ -224,3 +224,31 @@ def test_bad_input(call, error, words):
     with pytest.raises(error) as info:
         call()
     assert words in str(info.value)
+
+
+class FakeBucket:
+    """What GradSyncState.residual reads of a dist.GradBucket."""
+
+    def __init__(self, params):
+        self._params = params
+        self._buffer = torch.zeros(sum(p.numel() for p in params))
+
+    def parameters(self):
+        return self._params
+
+    def buffer(self):
+        return self._buffer
+
+
+def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets():
+    a, b, c = torch.zeros(3), torch.zeros(5), torch.zeros(2)
+    state = hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True)
+    first, second = state.residual(FakeBucket([a, b])), state.residual(FakeBucket([c]))
+    first.copy_(torch.arange(8.0))
+    second.copy_(torch.tensor([8.0, 9.0]))
+    assert state.residual(FakeBucket([a, b])) is first  # the same bucket keeps its residual
+    rebuilt = state.residual(FakeBucket([b, c]))  # DDP's rebuild: b moves next to c
+    assert rebuilt.tolist() == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    alone = state.residual(FakeBucket([a]))
+    assert alone.tolist() == [0.0, 1.0, 2.0]
+    assert len(state._residuals) == 2  # the replaced buckets are gone
