@@ -39,6 +39,8 @@ class DataParallel(torch.nn.Module):
       so that communication starts early). Each bucket is packed by one fused flatten kernel and
       all-reduced by gradsync's ring on the wire ``codec``, with fp32 sums at every hop, as soon as
       its last gradient has been accumulated; buckets are issued in the same order on every rank.
+      The first synchronized step verifies that every rank has the same buckets and codec; later
+      steps skip that check (n-1 hops of latency per bucket).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
@@ -87,6 +89,7 @@ class DataParallel(torch.nn.Module):
         if current:
             self._add_bucket(current, error_feedback)
         self._next = 0  # the next bucket to issue, in order
+        self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -153,7 +156,7 @@ class DataParallel(torch.nn.Module):
                 grads.append(p.grad)
             flatten(grads, dtype=torch.float32, out=bucket.buffer)
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
-                                     residual=bucket.residual)
+                                     residual=bucket.residual, check_call=not self._checked)
             self._next += 1
 
     def _finish_backward(self):
@@ -162,6 +165,7 @@ class DataParallel(torch.nn.Module):
             for bucket in self._buckets:
                 bucket.work.wait()
                 unflatten(bucket.buffer, [p.grad for p in bucket.params])
+            self._checked = True
         finally:
             for bucket in self._buckets:
                 bucket.ready, bucket.work = 0, None

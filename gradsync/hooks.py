@@ -51,6 +51,18 @@ class GradSyncState:
         self.prescale = prescale
         self.postscale = postscale
         self._residuals = {}  # parameter ids of a bucket -> (fp32 residual, [(param id, offset, numel)])
+        self._checked = set()  # buckets whose all-reduce every rank has agreed on
+
+    def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
+        """Whether this bucket's next all-reduce should first verify that every rank agrees on it
+        (numel, dtype, codec, scaling): on its first step, and again whenever DDP's buckets change.
+        Later steps skip the check, which costs n-1 hops of latency per bucket."""
+        buffer = bucket.buffer()
+        key = (bucket.index(), buffer.numel(), buffer.dtype, codec, self.prescale, self.postscale)
+        if key in self._checked:
+            return False
+        self._checked.add(key)
+        return True
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The fp32 residual of ``bucket`` (zeros for parameters never seen before)."""
@@ -87,11 +99,14 @@ class GradSyncState:
                 old_layout[:] = kept
 
 
+_default_states = {}  # the state of hooks registered with None or a ProcessGroup, per group
+
+
 def _resolve_state(state):
-    if state is None:
-        return None, GradSyncState()
-    if isinstance(state, dist.ProcessGroup):
-        return state, GradSyncState(state)
+    if state is None or isinstance(state, dist.ProcessGroup):
+        if state not in _default_states:
+            _default_states[state] = GradSyncState(state)
+        return state, _default_states[state]
     if isinstance(state, GradSyncState):
         return state.process_group, state
     raise TypeError(f"the hook state must be None, a torch.distributed ProcessGroup or a gradsync.hooks.GradSyncState, "
@@ -104,7 +119,7 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     buffer = bucket.buffer()
     residual = options.residual(bucket) if options.error_feedback else None
     work = all_reduce(buffer, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
-                      async_op=True, residual=residual)
+                      async_op=True, residual=residual, check_call=options.needs_check(bucket, codec))
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
     return work.get_future().then(_value)
 

@@ -252,3 +252,20 @@ def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets()
     alone = state.residual(FakeBucket([a]))
     assert alone.tolist() == [0.0, 1.0, 2.0]
     assert len(state._residuals) == 2  # the replaced buckets are gone
+
+
+def mismatched_hooks(rank, size):
+    """fp16 on one rank, bf16 on the other: the same bytes on the wire, so only the check can tell."""
+    model = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(None, hooks.fp16_compress_hook if rank == 0 else hooks.bf16_compress_hook)
+    x, y = batch(rank, 0)
+    try:
+        F.mse_loss(model(x), y).backward()
+    except Exception as error:  # noqa: B902 - DDP re-raises the hook's error as it was raised
+        return str(error)
+    return ""
+
+
+def test_ranks_with_different_codecs_fail_on_the_first_step(worlds):
+    for message in worlds(2).run(mismatched_hooks):
+        assert "the ranks disagree on the call" in message, message
