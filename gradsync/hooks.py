@@ -14,6 +14,7 @@ Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at ever
 rounded to the wire format before it is added. Inf and NaN survive every codec, so
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
+import weakref
 from typing import Optional
 
 import torch
@@ -51,17 +52,25 @@ class GradSyncState:
         self.prescale = prescale
         self.postscale = postscale
         self._residuals = {}  # parameter ids of a bucket -> (fp32 residual, [(param id, offset, numel)])
-        self._checked = set()  # buckets whose all-reduce every rank has agreed on
+        # per model: the buckets every rank agreed on, keyed by the id of a parameter and dropped with it
+        self._checked = {}
 
     def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
         (numel, dtype, codec, scaling): on its first step, and again whenever DDP's buckets change.
         Later steps skip the check, which costs n-1 hops of latency per bucket."""
-        buffer = bucket.buffer()
-        key = (bucket.index(), buffer.numel(), buffer.dtype, codec, self.prescale, self.postscale)
-        if key in self._checked:
+        params, buffer = bucket.parameters(), bucket.buffer()
+        if not params:
+            return True
+        key = (tuple(id(p) for p in params), buffer.numel(), buffer.dtype, codec, self.prescale, self.postscale)
+        anchor = id(params[0])
+        if anchor not in self._checked:
+            self._checked[anchor] = set()
+            weakref.finalize(params[0], self._checked.pop, anchor, None)
+        checked = self._checked[anchor]
+        if key in checked:
             return False
-        self._checked.add(key)
+        checked.add(key)
         return True
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:

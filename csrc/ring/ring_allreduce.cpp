@@ -138,103 +138,137 @@ void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
   compare_ring_calls(table.data(), n);
 }
 
-void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
-                    uint8_t* send_image, uint32_t tag_base) {
-  const int n = plan.ranks(), r = t.rank(), next = mod(r + 1, n), prev = mod(r - 1, n);
-  std::vector<int64_t> offsets;
-  plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
-  const int k_max = plan.max_slices();
-  auto slot = [&](uint8_t* image, int c, int k) { return image + offsets[static_cast<size_t>(c) * k_max + k]; };
-  auto bytes = [&](int c, int k) { return kernels.payload_bytes(plan.slice_len(c, k)); };
-  auto tag = [&](int step, int k) { return tag_base + static_cast<uint32_t>(step * k_max + k); };
+namespace {
 
-  if (n == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
-    for (int k = 0; k < plan.slices(0); ++k) kernels.encode(plan.slice_begin(0, k), plan.slice_len(0, k), slot(send_image, 0, k));
-    for (int k = 0; k < plan.slices(0); ++k) kernels.decode(slot(send_image, 0, k), plan.slice_begin(0, k), plan.slice_len(0, k));
-    return;
+// Where one call's payloads live and how its messages are addressed; shared by both schedules.
+struct RingCallLayout {
+  RingCallLayout(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image, uint8_t* send_image,
+                 uint32_t tag_base)
+      : t(t), kernels(kernels), plan(plan), recv_image(recv_image), send_image(send_image), tag_base(tag_base),
+        n(plan.ranks()), r(t.rank()), next(mod(r + 1, n)), prev(mod(r - 1, n)), own(mod(r + 1, n)),
+        k_max(plan.max_slices()) {
+    plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
   }
-  const int own = mod(r + 1, n);
-  auto landing = [&](int c, int k) -> uint8_t* {
+  uint8_t* slot(uint8_t* image, int c, int k) const { return image + offsets[static_cast<size_t>(c) * k_max + k]; }
+  int64_t bytes(int c, int k) const { return kernels.payload_bytes(plan.slice_len(c, k)); }
+  uint32_t tag(int step, int k) const { return tag_base + static_cast<uint32_t>(step * k_max + k); }
+  // Where a reduced payload of the all-gather is received: straight into the result when decoding
+  // it would only copy it, else into the receive image.
+  uint8_t* landing(int c, int k) const {
     void* direct = kernels.result_as_payload(plan.slice_begin(c, k));
     return direct ? static_cast<uint8_t*>(direct) : slot(recv_image, c, k);
-  };
-
-  if (!t.posts_receives_ahead()) {
-    // Stream-ordered: hop (step, slice) sends and receives in one group; every rank issues the hops
-    // in the same order, and a chunk with fewer slices leaves its partner's receive unpaired.
-    auto hop = [&](int step, int send_c, uint8_t* send_at, int recv_c, uint8_t* recv_at, int k) {
-      t.group_begin();
-      if (k < plan.slices(send_c)) t.send(send_at, bytes(send_c, k), next, tag(step, k));
-      const int64_t h = k < plan.slices(recv_c) ? t.recv(recv_at, bytes(recv_c, k), prev, tag(step, k)) : -1;
-      t.group_end();
-      t.wait(h);
-      return h >= 0;
-    };
-    for (int k = 0; k < plan.slices(r); ++k) kernels.encode(plan.slice_begin(r, k), plan.slice_len(r, k), slot(send_image, r, k));
-    for (int s = 0; s < n - 1; ++s) {
-      const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
-      for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-        if (hop(s, cs, slot(send_image, cs, k), cr, slot(recv_image, cr, k), k)) {
-          kernels.reduce_encode(slot(recv_image, cr, k), plan.slice_begin(cr, k), plan.slice_len(cr, k), slot(send_image, cr, k));
-        }
-      }
-    }
-    t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
-    for (int s = 0; s < n - 1; ++s) {
-      const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
-      for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-        uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? slot(send_image, own, k) : landing(cs, k)) : nullptr;
-        if (hop(n - 1 + s, cs, payload, cr, landing(cr, k), k) && landing(cr, k) == slot(recv_image, cr, k)) {
-          kernels.decode(slot(recv_image, cr, k), plan.slice_begin(cr, k), plan.slice_len(cr, k));
-        }
-      }
-      if (s == 0) {
-        for (int k = 0; k < plan.slices(own); ++k) kernels.decode(slot(send_image, own, k), plan.slice_begin(own, k), plan.slice_len(own, k));
-      }
-    }
-    t.wait_all();
-    return;
   }
+  void encode(int c, int k) const { kernels.encode(plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k)); }
+  void reduce_encode(int c, int k) const {
+    kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k));
+  }
+  void decode(const uint8_t* payload, int c, int k) const { kernels.decode(payload, plan.slice_begin(c, k), plan.slice_len(c, k)); }
 
-  // Reduce-scatter. Every receive is posted up front (a rendezvous transport moves no data before
-  // the receive exists); step s receives chunk r-s-1, adds the local part and forwards it.
-  std::vector<int64_t> handles(static_cast<size_t>(n - 1) * k_max, -1);
+  Transport& t;
+  RingKernels& kernels;
+  const RingPlan& plan;
+  uint8_t *recv_image, *send_image;
+  uint32_t tag_base;
+  int n, r, next, prev, own, k_max;
+  std::vector<int64_t> offsets;
+};
+
+// For a rendezvous transport: every receive of a phase is posted up front, and each slice is
+// forwarded as soon as it is reduced.
+void ring_posted_ahead(const RingCallLayout& L) {
+  Transport& t = L.t;
+  const RingPlan& plan = L.plan;
+  const int n = L.n, r = L.r;
+  // Reduce-scatter: step s receives chunk r-s-1, adds the local part and forwards it.
+  std::vector<int64_t> handles(static_cast<size_t>(n - 1) * L.k_max, -1);
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s - 1, n);
-    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(slot(recv_image, c, k), bytes(c, k), prev, tag(s, k));
+    for (int k = 0; k < plan.slices(c); ++k) handles[s * L.k_max + k] = t.recv(L.slot(L.recv_image, c, k), L.bytes(c, k), L.prev, L.tag(s, k));
   }
   for (int k = 0; k < plan.slices(r); ++k) {
-    kernels.encode(plan.slice_begin(r, k), plan.slice_len(r, k), slot(send_image, r, k));
-    t.send(slot(send_image, r, k), bytes(r, k), next, tag(0, k));
+    L.encode(r, k);
+    t.send(L.slot(L.send_image, r, k), L.bytes(r, k), L.next, L.tag(0, k));
   }
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s - 1, n);
     for (int k = 0; k < plan.slices(c); ++k) {
-      t.wait(handles[s * k_max + k]);
-      kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k));
-      if (s < n - 2) t.send(slot(send_image, c, k), bytes(c, k), next, tag(s + 1, k));
+      t.wait(handles[s * L.k_max + k]);
+      L.reduce_encode(c, k);
+      if (s < n - 2) t.send(L.slot(L.send_image, c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
     }
   }
   t.wait_all();
 
   // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
-  // forwards it, then decodes it into the result (or receives it there, when decoding is a copy).
+  // forwards it, then decodes it into the result (unless it was received there).
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
-    for (int k = 0; k < plan.slices(c); ++k) handles[s * k_max + k] = t.recv(landing(c, k), bytes(c, k), prev, tag(n - 1 + s, k));
+    for (int k = 0; k < plan.slices(c); ++k) handles[s * L.k_max + k] = t.recv(L.landing(c, k), L.bytes(c, k), L.prev, L.tag(n - 1 + s, k));
   }
-  for (int k = 0; k < plan.slices(own); ++k) t.send(slot(send_image, own, k), bytes(own, k), next, tag(n - 1, k));
-  for (int k = 0; k < plan.slices(own); ++k) kernels.decode(slot(send_image, own, k), plan.slice_begin(own, k), plan.slice_len(own, k));
+  for (int k = 0; k < plan.slices(L.own); ++k) t.send(L.slot(L.send_image, L.own, k), L.bytes(L.own, k), L.next, L.tag(n - 1, k));
+  for (int k = 0; k < plan.slices(L.own); ++k) L.decode(L.slot(L.send_image, L.own, k), L.own, k);
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
     for (int k = 0; k < plan.slices(c); ++k) {
-      t.wait(handles[s * k_max + k]);
-      uint8_t* payload = landing(c, k);
-      if (s < n - 2) t.send(payload, bytes(c, k), next, tag(n + s, k));
-      if (payload == slot(recv_image, c, k)) kernels.decode(payload, plan.slice_begin(c, k), plan.slice_len(c, k));
+      t.wait(handles[s * L.k_max + k]);
+      uint8_t* payload = L.landing(c, k);
+      if (s < n - 2) t.send(payload, L.bytes(c, k), L.next, L.tag(n + s, k));
+      if (payload == L.slot(L.recv_image, c, k)) L.decode(payload, c, k);
     }
   }
   t.wait_all();
+}
+
+// For a stream-ordered transport: hop (step, slice) sends and receives in one group; every rank
+// issues the hops in the same order, and a chunk with fewer slices leaves its partner's receive
+// unpaired. The host never waits: wait() orders the kernels after the receive on the device.
+void ring_paired(const RingCallLayout& L) {
+  Transport& t = L.t;
+  const RingPlan& plan = L.plan;
+  const int n = L.n, r = L.r;
+  auto hop = [&](int step, int send_c, uint8_t* send_at, int recv_c, uint8_t* recv_at, int k) {
+    t.group_begin();
+    if (k < plan.slices(send_c)) t.send(send_at, L.bytes(send_c, k), L.next, L.tag(step, k));
+    const int64_t h = k < plan.slices(recv_c) ? t.recv(recv_at, L.bytes(recv_c, k), L.prev, L.tag(step, k)) : -1;
+    t.group_end();
+    t.wait(h);
+    return h >= 0;
+  };
+  for (int k = 0; k < plan.slices(r); ++k) L.encode(r, k);
+  for (int s = 0; s < n - 1; ++s) {
+    const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
+    for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
+      if (hop(s, cs, L.slot(L.send_image, cs, k), cr, L.slot(L.recv_image, cr, k), k)) L.reduce_encode(cr, k);
+    }
+  }
+  t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
+  for (int s = 0; s < n - 1; ++s) {
+    const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
+    for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
+      uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? L.slot(L.send_image, L.own, k) : L.landing(cs, k)) : nullptr;
+      if (hop(n - 1 + s, cs, payload, cr, L.landing(cr, k), k) && L.landing(cr, k) == L.slot(L.recv_image, cr, k)) {
+        L.decode(L.landing(cr, k), cr, k);
+      }
+    }
+    if (s == 0) {
+      for (int k = 0; k < plan.slices(L.own); ++k) L.decode(L.slot(L.send_image, L.own, k), L.own, k);
+    }
+  }
+  t.wait_all();
+}
+
+}  // namespace
+
+void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                    uint8_t* send_image, uint32_t tag_base) {
+  const RingCallLayout layout(t, kernels, plan, recv_image, send_image, tag_base);
+  if (plan.ranks() == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
+    for (int k = 0; k < plan.slices(0); ++k) layout.encode(0, k);
+    for (int k = 0; k < plan.slices(0); ++k) layout.decode(layout.slot(send_image, 0, k), 0, k);
+    return;
+  }
+  if (t.posts_receives_ahead()) ring_posted_ahead(layout);
+  else ring_paired(layout);
 }
 
 }  // namespace gradsync
