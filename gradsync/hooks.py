@@ -89,6 +89,8 @@ class GradSyncState:
         if offset == buffer.numel():
             self._adopt(residual, layout)
         self._residuals[key] = (residual, layout)
+        if params:  # dropped with the model, so that a later model reusing these ids starts clean
+            weakref.finalize(params[0], self._residuals.pop, key, None)
         return residual
 
     def _adopt(self, residual, layout):

@@ -252,6 +252,8 @@ def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets()
     alone = state.residual(FakeBucket([a]))
     assert alone.tolist() == [0.0, 1.0, 2.0]
     assert len(state._residuals) == 2  # the replaced buckets are gone
+    del a, b, c, first, second, rebuilt, alone
+    assert len(state._residuals) == 0  # and the rest go with their parameters
 
 
 def mismatched_hooks(rank, size):
