@@ -105,6 +105,11 @@ DType dtype_of(const at::Tensor& t) {
     default: TORCH_CHECK(false, "gradsync.all_reduce takes float32, float16 or bfloat16 tensors");
   }
 }
+// The record every rank must agree on before the ring starts.
+RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems) {
+  return RingCall{t.numel(), static_cast<int32_t>(dtype_of(t)), static_cast<int32_t>(o.codec),
+                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+}
 }  // namespace
 
 std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOptions& options) {
@@ -211,8 +216,7 @@ void RingEngine::execute(Job& job) {
 #endif
 
   if (o.check_call) {
-    const RingCall call{t.numel(), static_cast<int32_t>(dtype), static_cast<int32_t>(o.codec),
-                        static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+    const RingCall call = ring_call(t, o, slice_elems);
     check_ring_call(transport_, call, tag_base + ring_tag_span(plan));
   }
   std::unique_ptr<RingKernels> kernels;
@@ -251,8 +255,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
   NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
-    const RingCall call{t.numel(), static_cast<int32_t>(dtype), static_cast<int32_t>(o.codec),
-                        static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+    const RingCall call = ring_call(t, o, slice_elems);
     const int64_t record = sizeof(RingCall);
     at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
     auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());

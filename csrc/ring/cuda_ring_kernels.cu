@@ -7,7 +7,7 @@ namespace gradsync {
 
 void CudaRingKernels::finish(cudaError_t launched) {
   if (launched == cudaSuccess && synchronize_) launched = cudaStreamSynchronize(stream_);
-  if (launched != cudaSuccess) throw std::runtime_error(std::string("gradsync ring kernel: ") + cudaGetErrorString(launched));
+  check(launched);
 }
 
 void CudaRingKernels::check(cudaError_t launched) {
