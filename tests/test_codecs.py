@@ -162,6 +162,15 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
         _C.set_cpu_isa("avx2")
         b = gradsync.compress(x, codec, scale=0.3)
         assert torch.equal(a, b), codec
+        # every code, NaN bits included, at ordinary, tiny (subnormal results) and huge block scales
+        codes = torch.arange(256, dtype=torch.uint8).repeat(3)
+        scales = torch.tensor([2.0**-3, 1.0, 2.0**-126, 2.0**-120, 2.0**100, 2.0**126], dtype=torch.float32)
+        payload = torch.cat([codes, scales.view(torch.uint8)])
+        decoded = []
+        for isa in ("scalar", "avx2"):
+            _C.set_cpu_isa(isa)
+            decoded.append(gradsync.decompress(payload, codec, codes.numel()).view(torch.int32))
+        assert torch.equal(*decoded), codec
     _C.set_cpu_isa("auto")
 
 

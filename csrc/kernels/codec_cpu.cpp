@@ -179,99 +179,147 @@ GS_AVX2 void reduce_cast_avx2(const void* in, DType wt, const void* local, DType
   }
 }
 
-GS_AVX2 inline float absmax_finite_avx2(const float* v, int64_t n) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 inf = _mm256_set1_ps(INFINITY);
-  __m256 m = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask);
-    m = _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float r = absmax_finite_scalar(v + i, n - i);
-  for (float x : lanes) r = std::max(r, x);
-  return r;
-}
-
-// Eight lanes of float_to_fp8<F> (numerics.h) for |v| up to the format's largest finite value
-// (larger values saturate), branch-free. The rounding itself is done by the FPU: adding and
-// subtracting C = 2^(e + 23 - M), e the lane's exponent (at least the format's smallest normal
-// one), rounds |v| to nearest-even on the format's grid; the code is then read off the bits.
+// Eight lanes of float_to_fp8<F> (numerics.h), branch-free, as eight bytes. The FPU rounds: adding
+// and subtracting C = 2^(e + 23 - M), e the lane's exponent (at least the format's smallest normal
+// one), rounds |v| to nearest-even on the format's grid. The rounded value times 2^(bias - 15) is
+// then exact in fp16, whose bits hold the fp8 code's exponent and mantissa fields in place (fp8
+// subnormals land on fp16 subnormals), so F16C's conversion reads the code off.
 template <Fp8Format F>
-GS_AVX2 inline __m256i fp8_codes8(__m256 v, __m256i max_code) {
+GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
   using T = Fp8Traits<F>;
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
   constexpr int kM = T::kManBits;
   const __m256i x = _mm256_castps_si256(v);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(x, 24), _mm256_set1_epi32(0x80));
   const __m256i abs_bits = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
   const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(abs_bits), _mm256_set1_ps(T::kMax));
   const __m256i exp = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000)),
                                        _mm256_set1_epi32((127 + 1 - kBias) << 23));
   const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(exp, _mm256_set1_epi32((23 - kM) << 23)));
-  const __m256 r = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(r), 23 - kM),
-                                          _mm256_set1_epi32((127 - kBias) << kM));
-  const __m256i subnormal = _mm256_cvtps_epi32(_mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias + kM - 1))));
-  const __m256 min_normal = _mm256_set1_ps(pow2(1 - kBias));
-  __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_castps_si256(_mm256_cmp_ps(r, min_normal, _CMP_LT_OQ)));
-  code = _mm256_min_epi32(code, max_code);
-  const __m256i special = _mm256_blendv_epi8(_mm256_set1_epi32(T::kNanCode), _mm256_set1_epi32(T::kInfCode),
-                                             _mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000)));
-  code = _mm256_blendv_epi8(code, special, _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff)));
-  return _mm256_or_si256(code, sign);
+  __m256 r = _mm256_min_ps(_mm256_sub_ps(_mm256_add_ps(a, magic), magic), max_value);
+  // non-finite lanes take a value whose code is the special one: e4m3's NaN code is 480's slot;
+  // e5m2's infinity and NaN codes are fp16's own
+  __m256 special;
+  if constexpr (F == Fp8Format::kE4M3) {
+    special = _mm256_set1_ps(480.0f);
+  } else {
+    special = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7fe00000)), _mm256_set1_ps(INFINITY),
+                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000))));
+  }
+  r = _mm256_blendv_ps(r, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff))));
+  r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(abs_bits, x)));  // the sign
+  if constexpr (kBias != 15) r = _mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias - 15)));
+  const __m128i half = _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m128i code;
+  if constexpr (kM == 2) {
+    code = _mm_srli_epi16(half, 8);
+  } else {  // fp16's sign is one bit above the code's
+    code = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(half, 10 - kM), _mm_set1_epi16(0x7f)),
+                        _mm_and_si128(_mm_srli_epi16(half, 8), _mm_set1_epi16(0x80)));
+  }
+  return _mm_packus_epi16(code, code);
 }
 
-// out[i] = value(codes[i]) * decode_scale: the fp8 fields moved into an fp32's, rebiased by one
-// exact multiply; subnormal codes go through an integer conversion so that no fp32 subnormal (and
-// no denormals-are-zero mode) is involved.
+// Eight values(codes) * decode_scale. The code, placed in an fp16's bits (e5m2 is fp16's top byte;
+// e4m3's fields sit one bit lower and are rebiased by an exact multiply), is widened by F16C;
+// NaN codes become the same NaN bits as the scalar path's.
+template <Fp8Format F>
+GS_AVX2 inline __m256 fp8_values8(const uint8_t* codes, __m256 decode_scale) {
+  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  __m256 v, nan_lanes;
+  if constexpr (F == Fp8Format::kE5M2) {
+    v = _mm256_cvtph_ps(high);
+    nan_lanes = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  } else {
+    const __m128i half = _mm_or_si128(_mm_and_si128(high, _mm_set1_epi16(static_cast<int16_t>(0x8000))),
+                                      _mm_and_si128(_mm_srli_epi16(high, 1), _mm_set1_epi16(0x3f80)));
+    v = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+    nan_lanes = _mm256_cmp_ps(_mm256_andnot_ps(sign_mask, v), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+  }
+  const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign_mask), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+  return _mm256_mul_ps(_mm256_blendv_ps(v, nan, nan_lanes), decode_scale);
+}
+
 template <Fp8Format F>
 GS_AVX2 inline void fp8_values_avx2(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
-  using T = Fp8Traits<F>;
-  constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
-  const __m256 rebias = _mm256_set1_ps(pow2(127 - kBias));
-  const __m256 subnormal_unit = _mm256_set1_ps(pow2(1 - kBias - T::kManBits));
   const __m256 d = _mm256_set1_ps(decode_scale);
-  const __m256i man_mask = _mm256_set1_epi32((1 << T::kManBits) - 1);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-    __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 23 - T::kManBits)), rebias);
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, man_mask)), subnormal_unit);
-    const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_srli_epi32(mag, T::kManBits), _mm256_setzero_si256());
-    v = _mm256_blendv_ps(v, sub, _mm256_castsi256_ps(is_sub));
-    v = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
-    const __m256i nan = _mm256_or_si256(sign, _mm256_set1_epi32(0x7fc00000));
-    if constexpr (F == Fp8Format::kE4M3) {
-      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(nan), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
-    } else {
-      const __m256i inf = _mm256_or_si256(sign, _mm256_set1_epi32(0x7f800000));
-      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(inf), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7c))));
-      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(nan), _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7c))));
-    }
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(v, d));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F>(codes + i, d));
   fp8_values_scalar<F>(codes + i, n - i, decode_scale, out + i);
 }
 
 template <Fp8Format F>
 GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+  using T = Fp8Traits<F>;
   const __m256 m = _mm256_set1_ps(mul);
-  const __m256i max_code8 = _mm256_set1_epi32(static_cast<int>(max_code));
-  const __m256i gather_low_bytes = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  const __m256 max_value = _mm256_set1_ps(minifloat_to_float<T::kExpBits, T::kManBits>(max_code));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i code = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_code8);
-    const __m256i p16 = _mm256_packus_epi32(code, code);
-    const __m256i p8 = _mm256_packus_epi16(p16, p16);  // bytes 0-3 of each 128-bit lane hold 4 codes
-    const __m256i both = _mm256_permutevar8x32_epi32(p8, gather_low_bytes);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(both));
+    const __m128i codes = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_value);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), codes);
   }
   fp8_codes_scalar<F>(v + i, n - i, mul, max_code, out + i);
+}
+
+GS_AVX2 inline __m256 max_finite_abs(__m256 m, __m256 v) {
+  const __m256 a = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))), v);
+  return _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)));
+}
+
+GS_AVX2 inline float horizontal_max(__m256 m) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// The fused passes of one fp8 block: out = src * scale, or out = values(codes) * d + local * prescale,
+// each returning absmax_finite(out) computed on the way.
+template <DType S>
+GS_AVX2 inline float convert_absmax_avx2_t(const void* src, int64_t n, float scale, float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(load8<S>(src, i), s);
+    _mm256_storeu_ps(out + i, v);
+    m = max_finite_abs(m, v);
+  }
+  convert_scalar(src, S, out, DType::kFloat32, i, n, scale);
+  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+}
+
+GS_AVX2 inline float convert_absmax_avx2(const void* src, DType st, int64_t n, float scale, float* out) {
+  switch (st) {
+    case DType::kFloat32: return convert_absmax_avx2_t<DType::kFloat32>(src, n, scale, out);
+    case DType::kFloat16: return convert_absmax_avx2_t<DType::kFloat16>(src, n, scale, out);
+    default: return convert_absmax_avx2_t<DType::kBFloat16>(src, n, scale, out);
+  }
+}
+
+template <Fp8Format F, DType L>
+GS_AVX2 inline float fp8_decode_add_avx2_t(const uint8_t* codes, float decode_scale, const void* local, float prescale,
+                                           int64_t n, float* out) {
+  const __m256 d = _mm256_set1_ps(decode_scale);
+  const __m256 s = _mm256_set1_ps(prescale);
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_add_ps(fp8_values8<F>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
+    _mm256_storeu_ps(out + i, v);
+    m = max_finite_abs(m, v);
+  }
+  for (int64_t j = i; j < n; ++j) out[j] = fp8_to_float<F>(codes[j]) * decode_scale + load_float(local, L, j) * prescale;
+  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+}
+
+template <Fp8Format F>
+GS_AVX2 inline float fp8_decode_add_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+                                         float prescale, int64_t n, float* out) {
+  switch (lt) {
+    case DType::kFloat32: return fp8_decode_add_avx2_t<F, DType::kFloat32>(codes, decode_scale, local, prescale, n, out);
+    case DType::kFloat16: return fp8_decode_add_avx2_t<F, DType::kFloat16>(codes, decode_scale, local, prescale, n, out);
+    default: return fp8_decode_add_avx2_t<F, DType::kBFloat16>(codes, decode_scale, local, prescale, n, out);
+  }
 }
 #endif  // GS_HAVE_X86
 
@@ -283,7 +331,19 @@ struct ScalarIsa {
   static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
     convert_scalar(src, st, dst, dt, 0, n, scale);
   }
-  static float absmax(const float* v, int64_t n) { return absmax_finite_scalar(v, n); }
+  static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
+    convert_scalar(src, st, out, DType::kFloat32, 0, n, scale);
+    return absmax_finite_scalar(out, n);
+  }
+  template <Fp8Format F>
+  static float decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
+                          int64_t n, float* out) {
+    float mine[kFp8BlockSize];
+    convert_scalar(local, lt, mine, DType::kFloat32, 0, n, prescale);
+    fp8_values_scalar<F>(codes, n, decode_scale, out);
+    for (int64_t i = 0; i < n; ++i) out[i] += mine[i];
+    return absmax_finite_scalar(out, n);
+  }
   template <Fp8Format F>
   static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
     fp8_codes_scalar<F>(v, n, mul, max_code, out);
@@ -299,7 +359,14 @@ struct Avx2Isa {
   GS_AVX2 static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
     convert_avx2(src, st, dst, dt, n, scale);
   }
-  GS_AVX2 static float absmax(const float* v, int64_t n) { return absmax_finite_avx2(v, n); }
+  GS_AVX2 static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
+    return convert_absmax_avx2(src, st, n, scale, out);
+  }
+  template <Fp8Format F>
+  GS_AVX2 static float decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+                                  float prescale, int64_t n, float* out) {
+    return fp8_decode_add_avx2<F>(codes, decode_scale, local, lt, prescale, n, out);
+  }
   template <Fp8Format F>
   GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
     fp8_codes_avx2<F>(v, n, mul, max_code, out);
@@ -311,10 +378,12 @@ struct Avx2Isa {
 };
 #endif
 
-// Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
+// Encodes one block of fp32 values whose finite absmax is `absmax`: its codes at `codes`, its
+// decode scale at `scale_at`.
 template <Fp8Format F, class Isa>
-GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, uint8_t* codes, uint8_t* scale_at) {
-  const int k = fp8_block_exponent<F>(Isa::absmax(block, len));
+GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, float absmax, uint8_t* codes,
+                                       uint8_t* scale_at) {
+  const int k = fp8_block_exponent<F>(absmax);
   Isa::template codes<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
   const float decode_scale = pow2(-k);
   std::memcpy(scale_at, &decode_scale, 4);
@@ -328,8 +397,8 @@ GS_ALWAYS_INLINE void fp8_encode_loop(const void* src, DType st, int64_t n, floa
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    Isa::convert(static_cast<const char*>(src) + start * dtype_size(st), st, block, DType::kFloat32, len, scale);
-    fp8_encode_block<F, Isa>(block, len, payload + start, scales + 4 * b);
+    const float absmax = Isa::convert_absmax(static_cast<const char*>(src) + start * dtype_size(st), st, len, scale, block);
+    fp8_encode_block<F, Isa>(block, len, absmax, payload + start, scales + 4 * b);
   }
   if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
 }
@@ -340,16 +409,15 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* loca
   const uint8_t* in_scales = in + fp8_scales_offset(n);
   uint8_t* out_scales = out + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
-  alignas(32) float mine[kFp8BlockSize];
   for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
     float decode_scale;
     std::memcpy(&decode_scale, in_scales + 4 * b, 4);
-    Isa::convert(static_cast<const char*>(local) + start * dtype_size(lt), lt, mine, DType::kFloat32, len, prescale);
-    Isa::template values<F>(in + start, len, decode_scale, block);
-    for (int64_t i = 0; i < len; ++i) block[i] += mine[i];
-    fp8_encode_block<F, Isa>(block, len, out + start, out_scales + 4 * b);
+    const float absmax = Isa::template decode_add<F>(in + start, decode_scale,
+                                                     static_cast<const char*>(local) + start * dtype_size(lt), lt,
+                                                     prescale, len, block);
+    fp8_encode_block<F, Isa>(block, len, absmax, out + start, out_scales + 4 * b);
   }
   std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }
