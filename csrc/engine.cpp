@@ -205,10 +205,10 @@ void RingEngine::execute(Job& job) {
   const Codec codec = static_cast<Codec>(o.codec);
   const uint32_t tag_base = kTagBase + (sequence_++ % kCallSlots) * kTagsPerCall;
 
-  // slices of about slice_bytes on the wire, but few enough that one call's tags fit its range
+  // slices of at most slice_bytes on the wire (ring_plan.h), but few enough that one call's tags fit its range
   const int64_t wire_size = codec == Codec::kFp8E4M3 || codec == Codec::kFp8E5M2 ? 1
                             : codec == Codec::kNone ? dtype_size(dtype) : 2;
-  int64_t slice_elems = std::max<int64_t>(1, o.slice_bytes / wire_size);
+  int64_t slice_elems = ring_slice_elems(t.numel(), n, wire_size, o.slice_bytes);
   while (ring_tag_span(RingPlan(t.numel(), n, slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
   const RingPlan plan(t.numel(), n, slice_elems);
 #ifdef GRADSYNC_WITH_CUDA

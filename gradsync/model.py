@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
+DIRECT_EXCHANGE_RANKS = 8  # kDirectExchangeRanks in csrc/ring/ring_allreduce.h
 ALIGN = 128            # elements; chunks and slices are multiples of the fp8 block
 WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8_e4m3": 1 + 4 / 128, "fp8_e5m2": 1 + 4 / 128}
 CODECS = tuple(WIRE_BYTES)
@@ -98,17 +99,23 @@ def _round_up(x, k=ALIGN):
     return -(-x // k) * k
 
 
+def _slice_elems(numel, n, wire_size, max_bytes):  # ring_slice_elems in csrc/ring/ring_plan.h
+    chunk_bytes = -(-numel // n) * wire_size
+    return max(1, min(max(chunk_bytes // 8, max(1, max_bytes // 4)), max_bytes) // wire_size)
+
+
 def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=SLICE_BYTES, check_call=True):
     """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
 
     `plain`: torch's ring (fp32 wire, one add per hop, no encode or decode, no agreement check).
-    `check_call`: gradsync's agreement check, n-1 small messages around the ring before the data.
+    `check_call`: gradsync's agreement check before the data: one hop of small messages up to
+    DIRECT_EXCHANGE_RANKS ranks, n-1 hops around the ring beyond.
     """
     if n == 1 or numel == 0:
         return 0.0
     w = 4.0 if plain else WIRE_BYTES[codec]
     chunk = _round_up(-(-numel // n))
-    slice_elems = _round_up(max(1, int(slice_bytes // (1 if w < 2 else w))))
+    slice_elems = _round_up(_slice_elems(numel, n, 1 if w < 2 else int(w), slice_bytes))
     m = -(-chunk // slice_elems)
     elems = chunk / m                                # per slice, slices taken as equal
     g = elems * w / link.bandwidth                  # wire time of one slice
@@ -130,7 +137,7 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     # all-gather: a hop forwards before it decodes, so decoding leaves the chain; n chunks to decode
     ag_wire = (n - 2) * max(m * g, chain(0.0)) + last_step(c_dec)
     ag = max(ag_wire, n * m * c_dec + (n - 1) * m * c_net + a + g)
-    check = (n - 1) * a if check_call and not plain else 0.0
+    check = (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1) * a if check_call and not plain else 0.0
     return check + rs + ag
 
 
@@ -274,7 +281,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25, cpu=None):
         knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
         lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
     lines += ["", "## Where the flat ring stops scaling",
-              "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check) while its",
+              "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check past 8 ranks) while its",
               "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
               f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>10}" for c in ("fp32", "fp16", "fp8"))]
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):

@@ -101,7 +101,18 @@ uint32_t ring_tag_span(const RingPlan& plan) {
 
 void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
   const int n = t.size(), r = t.rank();
-  // all-gather around the ring: step s forwards the record of rank r - s
+  if (n <= kDirectExchangeRanks) {  // every record straight to every rank: one hop of latency
+    t.group_begin();
+    for (int s = 1; s < n; ++s) {
+      t.recv(&table[mod(r - s, n)], sizeof(RingCall), mod(r - s, n), tag);
+      t.send(&table[r], sizeof(RingCall), mod(r + s, n), tag);
+    }
+    t.group_end();
+    t.wait_all();
+    return;
+  }
+  // all-gather around the ring, n - 1 hops but only the ring's two peers: step s forwards the
+  // record of rank r - s
   for (int s = 0; s < n - 1; ++s) {
     t.group_begin();
     const int64_t h = t.recv(&table[mod(r - s - 1, n)], sizeof(RingCall), mod(r - 1, n), tag + s);

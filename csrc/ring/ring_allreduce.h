@@ -130,7 +130,11 @@ struct RingCall {
 // Tags of one call occupy [tag_base, tag_base + ring_tag_span(plan)).
 uint32_t ring_tag_span(const RingPlan& plan);
 
-// Exchanges `call` around the ring; throws on every rank, naming the ranks that differ, if any do.
+// Groups up to this size exchange call records directly, every rank with every other (one hop of
+// latency); larger ones around the ring (n - 1 hops, but no peers beyond the ring's two).
+constexpr int kDirectExchangeRanks = 8;
+
+// Exchanges `call` among the ranks; throws on every rank, naming the ranks that differ, if any do.
 void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
 // The two halves, for transports whose memory the host cannot read directly: an all-gather of every
 // rank's record into `table` (n records, this rank's at its index, in transport memory), and the

@@ -11,6 +11,16 @@ namespace gradsync {
 
 constexpr int64_t kRingAlign = 128;  // elements; = kFp8BlockSize
 
+// Slice size in elements for a buffer whose elements take `wire_size` bytes on the wire: about
+// eight slices per chunk, since pipelining hides all but one slice's transfer at each end of the
+// ring, but at most `max_bytes` and at least a quarter of it, since every message has a fixed cost.
+inline int64_t ring_slice_elems(int64_t numel, int ranks, int64_t wire_size, int64_t max_bytes) {
+  constexpr int64_t kSlicesPerChunk = 8;
+  const int64_t chunk_bytes = (numel + ranks - 1) / ranks * wire_size;
+  const int64_t bytes = std::clamp(chunk_bytes / kSlicesPerChunk, std::max<int64_t>(1, max_bytes / 4), max_bytes);
+  return std::max<int64_t>(1, bytes / wire_size);
+}
+
 class RingPlan {
  public:
   RingPlan(int64_t numel, int ranks, int64_t slice_elems)

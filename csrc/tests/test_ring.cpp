@@ -191,21 +191,32 @@ int main() {
       }
     }
   }
-  // a disagreeing rank makes every rank throw
-  Hub hub;
-  std::vector<std::thread> threads;
-  std::vector<int> threw(3, 0);
-  for (int r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      LocalTransport transport(hub, r, 3);
-      try {
-        check_ring_call(transport, RingCall{r == 1 ? 11 : 10, 0, 1, 1.0f, 1.0f, 256}, 0);
-      } catch (const std::invalid_argument&) {
-        threw[r] = 1;
+  // slices: about eight per chunk, within [max / 4, max] bytes
+  CHECK(ring_slice_elems(1 << 24, 4, 1, 1 << 20) == 1 << 19, "8 slices of a 4 MB chunk");
+  CHECK(ring_slice_elems(1 << 24, 4, 4, 1 << 20) == 1 << 18, "1 MB slices cap a 16 MB chunk");
+  CHECK(ring_slice_elems(1 << 20, 4, 2, 1 << 20) == 1 << 17, "256 KB floor for a 512 KB chunk");
+  CHECK(ring_slice_elems(0, 4, 2, 1 << 20) == 1 << 17 && ring_slice_elems(5, 3, 1, 1) == 1, "degenerate sizes");
+  // a disagreeing rank makes every rank throw, and agreeing ones none, in direct and in ring
+  // exchanges, with either matching
+  for (int ranks : {2, 3, kDirectExchangeRanks, kDirectExchangeRanks + 1, 11}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool in_order = variant & 1, disagree = variant & 2;
+      Hub hub;
+      std::vector<std::thread> threads;
+      std::vector<int> threw(ranks, 0);
+      for (int r = 0; r < ranks; ++r) {
+        threads.emplace_back([&, r] {
+          LocalTransport transport(hub, r, ranks, in_order);
+          try {
+            check_ring_call(transport, RingCall{disagree && r == 1 ? 11 : 10, 0, 1, 1.0f, 1.0f, 256}, 0);
+          } catch (const std::invalid_argument&) {
+            threw[r] = 1;
+          }
+        });
       }
-    });
+      for (auto& t : threads) t.join();
+      CHECK(std::count(threw.begin(), threw.end(), 1) == (disagree ? ranks : 0), "agreement misjudged");
+    }
   }
-  for (auto& t : threads) t.join();
-  CHECK(threw[0] && threw[1] && threw[2], "disagreement not seen by every rank");
   return gradsync_test::finish("ring");
 }
