@@ -127,7 +127,7 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     g = max(g, c_net)                                # ... which runs while the slice is on the wire
 
     def chain(c):  # from a slice leaving to the same slice of the next step leaving; a shaper's bucket
-        return a + g + c - min(a + c, link.bucket)  # refills while the link waits, and catches up
+        return a + c + max(0.0, g - min(a + c, link.bucket))  # refills while the link waits, and catches up
 
     def last_step(c):  # the final step: its slices stream out, the last one arrives and is processed
         return (m - 1) * max(g, c) + a + g + c
@@ -306,7 +306,7 @@ def validation_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="benchmarks/results/2026-11-30-cpu-kernels.json",
+    parser.add_argument("--kernels", default="benchmarks/results/2026-11-30-cpu-kernels-1thread.json",
                         help="bench_kernels.py JSON with the CPU kernel costs (for --validate)")
     parser.add_argument("--loopback", default="benchmarks/results/2026-11-30-cpu-allreduce-4ranks.json",
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")

@@ -12,7 +12,7 @@ from gradsync import model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 NETEM_JSON = os.path.join(RESULTS, "2026-11-30-netem-4hosts.json")
-KERNELS_JSON = os.path.join(RESULTS, "2026-11-30-cpu-kernels.json")
+KERNELS_JSON = os.path.join(RESULTS, "2026-11-30-cpu-kernels-1thread.json")
 LOOPBACK_JSON = os.path.join(RESULTS, "2026-11-30-cpu-allreduce-4ranks.json")
 
 FREE = model.Kernels("free", *({c: 0.0 for c in model.CODECS} for _ in range(3)), 0.0)
