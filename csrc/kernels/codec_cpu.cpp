@@ -209,14 +209,15 @@ GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
   r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(abs_bits, x)));  // the sign
   if constexpr (kBias != 15) r = _mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias - 15)));
   const __m128i half = _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m128i code;
   if constexpr (kM == 2) {
-    code = _mm_srli_epi16(half, 8);
-  } else {  // fp16's sign is one bit above the code's
-    code = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(half, 10 - kM), _mm_set1_epi16(0x7f)),
-                        _mm_and_si128(_mm_srli_epi16(half, 8), _mm_set1_epi16(0x80)));
+    const __m128i code = _mm_srli_epi16(half, 8);
+    return _mm_packus_epi16(code, code);
+  } else {
+    // fp16's sign lands one bit above the code's: each lane is now the bytes (magnitude, sign), and
+    // magnitude - 128 * sign is the signed byte whose bits are the code
+    const __m128i code = _mm_maddubs_epi16(_mm_srli_epi16(half, 10 - kM), _mm_set1_epi16(static_cast<int16_t>(0x8001)));
+    return _mm_packs_epi16(code, code);
   }
-  return _mm_packus_epi16(code, code);
 }
 
 // Eight values(codes) * decode_scale. The code, placed in an fp16's bits (e5m2 is fp16's top byte;
@@ -231,8 +232,8 @@ GS_AVX2 inline __m256 fp8_values8(const uint8_t* codes, __m256 decode_scale) {
     v = _mm256_cvtph_ps(high);
     nan_lanes = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   } else {
-    const __m128i half = _mm_or_si128(_mm_and_si128(high, _mm_set1_epi16(static_cast<int16_t>(0x8000))),
-                                      _mm_and_si128(_mm_srli_epi16(high, 1), _mm_set1_epi16(0x3f80)));
+    // sign stays, the fields move one bit down: the arithmetic shift copies the sign, the mask drops the copy
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
     v = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
     nan_lanes = _mm256_cmp_ps(_mm256_andnot_ps(sign_mask, v), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
   }
