@@ -100,7 +100,7 @@ def _round_up(x, k=ALIGN):
 
 
 def _slice_elems(numel, n, wire_size, max_bytes):  # ring_slice_elems in csrc/ring/ring_plan.h
-    chunk_bytes = -(-numel // n) * wire_size
+    chunk_bytes, max_bytes = -(-numel // n) * wire_size, max(1, max_bytes)
     return max(1, min(max(chunk_bytes // 8, max(1, max_bytes // 4)), max_bytes) // wire_size)
 
 

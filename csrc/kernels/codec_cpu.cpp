@@ -53,7 +53,7 @@ void convert_scalar(const void* src, DType st, void* dst, DType dt, int64_t begi
 
 void reduce_cast_scalar(const void* in, DType wt, const void* local, DType lt, int64_t begin, int64_t end,
                         float prescale, void* out) {
-  for (int64_t i = begin; i < end; ++i) store_float(out, wt, i, load_float(in, wt, i) + load_float(local, lt, i) * prescale);
+  for (int64_t i = begin; i < end; ++i) store_float(out, wt, i, hop_sum(load_float(in, wt, i), load_float(local, lt, i) * prescale));
 }
 
 template <Fp8Format F>
@@ -101,6 +101,12 @@ GS_AVX2 inline __m256 load8(const void* p, int64_t i) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+}
+
+// Eight lanes of hop_sum (numerics.h).
+GS_AVX2 inline __m256 hop_sum8(__m256 decoded, __m256 mine) {
+  const __m256 s = _mm256_add_ps(decoded, mine);
+  return _mm256_blendv_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(s, s, _CMP_UNORD_Q));
 }
 
 // Packs the low 16 bits of eight 32-bit lanes (each < 2^16) into eight uint16.
@@ -156,7 +162,7 @@ GS_AVX2 void reduce_cast_avx2_t(const void* in, const void* local, int64_t n, fl
   const __m256 s = _mm256_set1_ps(prescale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    store8<W>(out, i, _mm256_add_ps(load8<W>(in, i), _mm256_mul_ps(load8<L>(local, i), s)));
+    store8<W>(out, i, hop_sum8(load8<W>(in, i), _mm256_mul_ps(load8<L>(local, i), s)));
   }
   reduce_cast_scalar(in, W, local, L, i, n, prescale, out);
 }
@@ -305,11 +311,13 @@ GS_AVX2 inline float fp8_decode_add_avx2_t(const uint8_t* codes, float decode_sc
   __m256 m = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_add_ps(fp8_values8<F>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
+    const __m256 v = hop_sum8(fp8_values8<F>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
     _mm256_storeu_ps(out + i, v);
     m = max_finite_abs(m, v);
   }
-  for (int64_t j = i; j < n; ++j) out[j] = fp8_to_float<F>(codes[j]) * decode_scale + load_float(local, L, j) * prescale;
+  for (int64_t j = i; j < n; ++j) {
+    out[j] = hop_sum(fp8_to_float<F>(codes[j]) * decode_scale, load_float(local, L, j) * prescale);
+  }
   return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
 }
 
@@ -342,7 +350,7 @@ struct ScalarIsa {
     float mine[kFp8BlockSize];
     convert_scalar(local, lt, mine, DType::kFloat32, 0, n, prescale);
     fp8_values_scalar<F>(codes, n, decode_scale, out);
-    for (int64_t i = 0; i < n; ++i) out[i] += mine[i];
+    for (int64_t i = 0; i < n; ++i) out[i] = hop_sum(out[i], mine[i]);
     return absmax_finite_scalar(out, n);
   }
   template <Fp8Format F>

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) fp8_reduce_encode_kernel(const uint8
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t i = b * kFp8BlockSize + j * 32 + lane;
-      v[j] = i < n ? fp8_to_float<F>(in[i]) * in_scale + load_one<L>(local, i) * prescale : 0.0f;
+      v[j] = i < n ? hop_sum(fp8_to_float<F>(in[i]) * in_scale, load_one<L>(local, i) * prescale) : 0.0f;
     }
     encode_block_warp<F>(v, b, n, lane, out, out_scales);
   }

@@ -42,6 +42,14 @@ GS_HD float bits_float(uint32_t u) {
 }
 
 // 2^k as a float, exact for -126 <= k <= 127.
+// A ring hop's sum, decoded + mine, with one NaN for every NaN: which operand's NaN an addition
+// returns is up to the instruction set (and the compiler's operand order), and on GPUs it is always
+// a canonical one, so the sum's NaN is fixed here for every twin to encode the same bits.
+GS_HD float hop_sum(float decoded, float mine) {
+  const float s = decoded + mine;
+  return s != s ? bits_float(0x7fc00000u) : s;
+}
+
 GS_HD float pow2(int k) { return bits_float(static_cast<uint32_t>(127 + k) << 23); }
 
 GS_HD bool is_finite_bits(uint32_t abs_bits) { return abs_bits < 0x7f800000u; }

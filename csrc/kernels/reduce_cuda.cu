@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(kThreads) reduce_cast_kernel(const void* in, c
                                                                float prescale, void* out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    store_one<W>(out, i, load_one<W>(in, i) + load_one<L>(local, i) * prescale);
+    store_one<W>(out, i, hop_sum(load_one<W>(in, i), load_one<L>(local, i) * prescale));
   }
 }
 

@@ -17,6 +17,7 @@ constexpr int64_t kRingAlign = 128;  // elements; = kFp8BlockSize
 inline int64_t ring_slice_elems(int64_t numel, int ranks, int64_t wire_size, int64_t max_bytes) {
   constexpr int64_t kSlicesPerChunk = 8;
   const int64_t chunk_bytes = (numel + ranks - 1) / ranks * wire_size;
+  max_bytes = std::max<int64_t>(1, max_bytes);
   const int64_t bytes = std::clamp(chunk_bytes / kSlicesPerChunk, std::max<int64_t>(1, max_bytes / 4), max_bytes);
   return std::max<int64_t>(1, bytes / wire_size);
 }

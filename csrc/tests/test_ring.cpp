@@ -195,7 +195,8 @@ int main() {
   CHECK(ring_slice_elems(1 << 24, 4, 1, 1 << 20) == 1 << 19, "8 slices of a 4 MB chunk");
   CHECK(ring_slice_elems(1 << 24, 4, 4, 1 << 20) == 1 << 18, "1 MB slices cap a 16 MB chunk");
   CHECK(ring_slice_elems(1 << 20, 4, 2, 1 << 20) == 1 << 17, "256 KB floor for a 512 KB chunk");
-  CHECK(ring_slice_elems(0, 4, 2, 1 << 20) == 1 << 17 && ring_slice_elems(5, 3, 1, 1) == 1, "degenerate sizes");
+  CHECK(ring_slice_elems(0, 4, 2, 1 << 20) == 1 << 17 && ring_slice_elems(5, 3, 1, 1) == 1 &&
+            ring_slice_elems(100, 2, 4, 0) == 1, "degenerate sizes");
   // a disagreeing rank makes every rank throw, and agreeing ones none, in direct and in ring
   // exchanges, with either matching
   for (int ranks : {2, 3, kDirectExchangeRanks, kDirectExchangeRanks + 1, 11}) {
