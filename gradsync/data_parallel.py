@@ -40,7 +40,7 @@ class DataParallel(torch.nn.Module):
       all-reduced by gradsync's ring on the wire ``codec``, with fp32 sums at every hop, as soon as
       its last gradient has been accumulated; buckets are issued in the same order on every rank.
       The first synchronized step verifies that every rank has the same buckets and codec; later
-      steps skip that check (n-1 hops of latency per bucket).
+      steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
