@@ -117,6 +117,26 @@ def test_inf_and_nan_stay_non_finite(cpu_isa, codec):
     assert torch.allclose(decoded[finite], x[finite], rtol=rtol, atol=1e-3)
 
 
+def float_bits(*patterns):
+    return torch.tensor([b - 2**32 if b >= 2**31 else b for b in patterns], dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("codec", FP8)
+def test_fp8_nan_is_one_code_whatever_its_sign(cpu_isa, codec):
+    # a GPU multiply returns a positive NaN where x86 keeps the operand's sign: the code must not
+    # depend on it, or the same gradients would encode to different bytes on CPU and GPU
+    nans = float_bits(0x7fc00000, 0xffc00000, 0x7f800001, 0xffffffff, 0xff800001, 0x7fffffff)
+    x = torch.randn(3 * 128 + 17)
+    at = torch.arange(0, x.numel(), 29)[:len(nans) * 3]  # in whole blocks and in the tail
+    x[at] = nans.repeat(3)[:len(at)]
+    x[[1, 2]] = torch.tensor([float("inf"), float("-inf")])
+    for scale in (1.0, 0.3):
+        codes = gradsync.compress(x, codec, scale=scale)[:x.numel()]
+        assert torch.all(codes[at] == 0x7f), codes[at]
+        assert codes[1] == 0x7f if codec == "fp8_e4m3" else codes[1] == 0x7c
+        assert codes[2] == 0xff if codec == "fp8_e4m3" else codes[2] == 0xfc
+
+
 @pytest.mark.parametrize("codec", FP8)
 def test_fp8_never_overflows_finite_input(codec):
     x = torch.tensor([3.0e38, -3.4e38, 1.0, 1e-38] * 64)
@@ -156,6 +176,7 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
     x = random_bits_floats(128 * 3000 + 5)
     x[::1001] = float("inf")
     x[::997] = float("nan")
+    x[::991] = float_bits(0xffc00000)
     for codec in FP8:
         _C.set_cpu_isa("scalar")
         a = gradsync.compress(x, codec, scale=0.3)

@@ -74,7 +74,9 @@ def test_codecs_match_cpu_bitwise(codec, in_dtype):
     x = random_floats(128 * 1000 + 33, low_exp=-20, high_exp=20)
     if in_dtype != torch.float32:
         x = torch.randn(x.numel()).to(in_dtype)
-    x[[5, 9000, 70000]] = torch.tensor([float("inf"), float("-inf"), float("nan")]).to(in_dtype)
+    nans = torch.tensor([0x7fc00000, 0xffc00000 - 2**32], dtype=torch.int32).view(torch.float32)  # both signs
+    x[[5, 9000, 70000, 70001, 128 * 1000 + 7]] = torch.cat([torch.tensor([float("inf"), float("-inf")]), nans,
+                                                            nans[1:]]).to(in_dtype)
     cpu_payload = gradsync.compress(x, codec, scale=0.3)
     gpu_payload = gradsync.compress(x.cuda(), codec, scale=0.3)
     finite = torch.isfinite(cpu_payload.float()) if cpu_payload.is_floating_point() else None

@@ -212,7 +212,8 @@ GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
                                _mm256_castsi256_ps(_mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000))));
   }
   r = _mm256_blendv_ps(r, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff))));
-  r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(abs_bits, x)));  // the sign
+  const __m256i nan_lanes = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
+  r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(abs_bits, nan_lanes), x)));  // sign; NaN: none
   if constexpr (kBias != 15) r = _mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias - 15)));
   const __m128i half = _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if constexpr (kM == 2) {

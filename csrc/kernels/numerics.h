@@ -120,8 +120,9 @@ GS_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint3
 // ---- fp8 ----
 // e4m3 ("fn": no infinity, 0x7f/0xff are NaN, largest finite 448) and e5m2 (IEEE-like, largest
 // finite 57344). Finite values beyond the largest finite saturate; the block-scaled codec never
-// produces such values. Non-finite inputs map explicitly: NaN to NaN, and infinity to infinity
-// where the format has one (e5m2) or to NaN where it has not (e4m3), so that overflow stays visible.
+// produces such values. Non-finite inputs map explicitly: NaN of either sign to the code 0x7f, and
+// infinity to infinity where the format has one (e5m2) or to NaN of its sign where it has not (e4m3),
+// so that overflow stays visible.
 enum class Fp8Format : int32_t { kE4M3 = 0, kE5M2 = 1 };
 
 template <Fp8Format F>
@@ -148,7 +149,9 @@ GS_HD uint8_t float_to_fp8(float f, uint32_t max_code = Fp8Traits<F>::kMaxCode) 
   const uint32_t x = float_bits(f);
   const uint32_t sign = (x >> 24) & 0x80u;
   const uint32_t abs = x & 0x7fffffffu;
-  if (!is_finite_bits(abs)) return static_cast<uint8_t>(sign | (abs == 0x7f800000u ? T::kInfCode : T::kNanCode));
+  // NaN takes one code whatever its sign: a GPU multiply returns a canonical positive NaN where x86
+  // keeps the operand's sign, and every device must encode the same input to the same bytes
+  if (!is_finite_bits(abs)) return static_cast<uint8_t>(abs == 0x7f800000u ? sign | T::kInfCode : T::kNanCode);
   uint32_t code = round_to_minifloat<T::kExpBits, T::kManBits>(abs);
   if (code > max_code) code = max_code;
   return static_cast<uint8_t>(sign | code);
