@@ -76,6 +76,26 @@ def time_call(fn, x, original, device, iters, group):
     return float(t) * 1e3
 
 
+def p2p_latency(device, iters=200):
+    """Seconds one way for a 4-byte message between ranks 0 and 1 while the others wait: the median
+    of `iters` ping-pongs, halved. (An all-reduce's small-message latency also holds every rank
+    waking at once; this is the hop alone.)"""
+    x, rank, samples = torch.zeros(1, device=device), dist.get_rank(), []
+    dist.barrier()
+    for _ in range(iters if dist.get_world_size() > 1 else 0):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        common.sync(device)
+        samples.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(samples) / 2 if samples else 0.0
+
+
 def relative_error(x, reference):
     err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)], dtype=torch.float64)
     dist.all_reduce(err)  # every rank holds the same result; summing keeps the ratio
@@ -93,7 +113,7 @@ def bench(args, device):
         dist.all_reduce(reference)
         reference /= n
         x = torch.empty_like(original)
-        iters = max(3, min(50, int(args.budget_bytes // max(size, 1))))
+        iters = max(3, min(args.max_iters, int(args.budget_bytes // max(size, 1))))
         base_ms = None
         for name, (fn, wire_per_elem) in implementations(n, None).items():
             if args.impls and not any(s in name for s in args.impls):
@@ -144,7 +164,10 @@ def main():
     parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"))
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
     parser.add_argument("--budget-bytes", type=parse_bytes, default=parse_bytes("1G"),
-                        help="iterations per row: about this many bytes, 3 to 50 iterations")
+                        help="iterations per row: about this many bytes, 3 to --max-iters iterations")
+    parser.add_argument("--max-iters", type=int, default=200,
+                        help="small messages are latency-bound and their times scatter (a rank waits for a core "
+                             "now and then): the median of fewer than ~200 moves by +-30 %% between runs")
     parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table at n = 2, 4, 8 instead")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
@@ -164,13 +187,17 @@ def main():
         rows = accuracy(device)
         columns = ACCURACY_COLUMNS
     else:
+        latency = p2p_latency(device)
         rows = bench(args, device)
         columns = COLUMNS
     if rank == 0:
         common.print_table(title, rows, columns)
         if args.json:
-            common.write_json(args.json, title, rows, {"ranks": n, "backend": dist.get_backend(),
-                                                       "gradsync": gradsync.__version__, "torch": torch.__version__})
+            meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__}
+            if not args.accuracy:
+                meta["p2p_latency_us"] = latency * 1e6
+                print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")
+            common.write_json(args.json, title, rows, meta)
         if args.plot and not args.accuracy:
             common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl",
                         xlabel="fp32 gradient bytes", ylabel="busbw (GB/s of fp32 data)")

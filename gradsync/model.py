@@ -3,7 +3,7 @@
     python -m gradsync.model [--kernels KERNELS.json] [--validate NETEM.json]
 
 The ring is modelled as gradsync implements it (csrc/ring/ring_allreduce.cpp): the buffer is cut
-into n chunks and each chunk into m slices of about 1 MiB on the wire; a reduce-scatter of n-1 steps
+into n chunks and each chunk into m slices of 256 KiB to 1 MiB on the wire; a reduce-scatter of n-1 steps
 (every hop one fused decode + add + encode, ``reduce_encode``) then an all-gather of n-1 steps (every
 hop forwards, then decodes). Per hop a slice of b wire bytes costs the link ``alpha + b / B``
 (alpha-beta); slices of one step stream back to back, so a step lasts the longer of its link time
@@ -11,6 +11,12 @@ hop forwards, then decodes). Per hop a slice of b wire bytes costs the link ``al
 than the kernels its rank must run one after another. torch's all_reduce (gloo or NCCL) is the same
 ring with fp32 on the wire and an fp32 add per hop. Not modelled: congestion, stragglers, overlap
 with the backward pass, and the many-level rings and trees NCCL builds on real clusters.
+
+The emulated cluster (benchmarks/netem) adds what a real one lacks and the model then describes:
+a token bucket that starts full, and ranks that share two cores, so that a hop's latency is mostly
+waiting for a core (less when fewer ranks move data at once) and a rank's transfers and kernels
+take turns. There the hop latencies are measured: gloo's all_reduce and gradsync's ring from small
+all-reduces, a quiet hop from a ping-pong.
 
 Kernel costs come in seconds per fp32 element. For CPUs they are measured (``bench_kernels.py``
 JSON). No GPU kernel has been timed yet: the GPU figures are an *assumption*, a memory-bound
@@ -22,6 +28,7 @@ Pure Python: importing it does not import torch.
 import argparse
 import json
 import os
+import statistics
 from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
@@ -39,6 +46,16 @@ class Link:
     bandwidth: float  # bytes/s each rank sends (and receives) on its ring hop
     latency: float    # alpha: seconds per hop for a message, software included
     bucket: float = 0.0  # an emulated link's token bucket, in seconds at line rate: idle time it gives back
+    quiet_latency: float = None  # a hop's latency while the other ranks idle, where that is less (ranks sharing cores)
+    shared_cores: bool = False  # the ranks take turns on one host's cores (an emulated cluster)
+
+    def step_latency(self, active, n):
+        """A ring step's hop latency with `active` of the n ranks moving data at once. `latency` holds
+        every rank active; where ranks share cores part of it is waiting for one, and that part
+        shrinks with the share of ranks that are active."""
+        if self.quiet_latency is None:
+            return self.latency
+        return self.quiet_latency + (self.latency - self.quiet_latency) * active / n
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,16 @@ def _slice_elems(numel, n, wire_size, max_bytes):  # ring_slice_elems in csrc/ri
     return max(1, min(max(chunk_bytes // 8, max(1, max_bytes // 4)), max_bytes) // wire_size)
 
 
+def _exposed(wire, compute):
+    """Where ranks take turns on shared cores, a rank that waits for the link gives its core away and
+    waits for its turn to get it back, so each step part of one slice's transfer or processing is
+    not hidden behind the other: none of it when one is far longer, the whole shorter one when they
+    are equal. The share, shorter / longer, interpolates between the two; it is fitted to the
+    emulated runs (2 Gbit/s, where link and processor are close), not derived."""
+    lo, hi = sorted((wire, compute))
+    return lo * lo / hi if hi > 0 else 0.0
+
+
 def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=SLICE_BYTES, check_call=True):
     """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
 
@@ -115,16 +142,17 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
         return 0.0
     w = 4.0 if plain else WIRE_BYTES[codec]
     chunk = _round_up(-(-numel // n))
+    active = n if plain else min(n, -(-numel // chunk))  # chunks with data: slices that move in each step
     slice_elems = _round_up(_slice_elems(numel, n, 1 if w < 2 else int(w), slice_bytes))
     m = -(-chunk // slice_elems)
     elems = chunk / m                                # per slice, slices taken as equal
-    g = elems * w / link.bandwidth                  # wire time of one slice
-    a = link.latency
+    wire = elems * w / link.bandwidth               # wire time of one slice
+    a = link.step_latency(active, n)
     c_enc = 0.0 if plain else elems * kernels.encode[codec]
     c_red = elems * (kernels.add if plain else kernels.reduce_encode[codec])
     c_dec = 0.0 if plain else elems * kernels.decode[codec]
     c_net = elems * w * kernels.network              # host stack: one slice sent and one received
-    g = max(g, c_net)                                # ... which runs while the slice is on the wire
+    g = max(wire, c_net)                             # ... which runs while the slice is on the wire
 
     def chain(c):  # from a slice leaving to the same slice of the next step leaving; a shaper's bucket
         return a + c + max(0.0, g - min(a + c, link.bucket))  # refills while the link waits, and catches up
@@ -137,8 +165,18 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     # all-gather: a hop forwards before it decodes, so decoding leaves the chain; n chunks to decode
     ag_wire = (n - 2) * max(m * g, chain(0.0)) + last_step(c_dec)
     ag = max(ag_wire, n * m * c_dec + (n - 1) * m * c_net + a + g)
-    check = (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1) * a if check_call and not plain else 0.0
-    return check + rs + ag
+    if link.shared_cores:
+        rs += (n - 1) * _exposed(wire, c_red + c_net)
+        ag += (n - 1) * _exposed(wire, c_dec + c_net)
+    check = (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1) * link.latency if check_call and not plain else 0.0
+    total = check + rs + ag
+    if link.bucket and link.bandwidth != float("inf"):
+        # a token bucket starts full: its first `bucket` seconds of traffic leave at once, which no
+        # step can bank on but the whole call can, down to the time it would take on an unshaped link
+        unshaped = ring_time(numel, n, replace(link, bandwidth=float("inf"), bucket=0.0), kernels, codec,
+                             plain=plain, slice_bytes=slice_bytes, check_call=check_call)
+        total = max(unshaped, total - link.bucket)
+    return total
 
 
 def allreduce_time(numel, n, link, kernels, impl):
@@ -157,6 +195,7 @@ def link_bound(numel, n, link, codec):
 
 EMULATED_CORES = 2
 TCP_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps): tbf counts whole frames
+LATENCY_BOUND_BYTES = 64 << 10
 VALIDATED_MIN_BYTES = 16 << 20
 """Below this the emulated runs are ruled by the shaper's burst (0.25-1 MB pass at once) and by this
 VM's wake-up latency (a 1 KB all-reduce takes longer than a 256 KB one), neither of them modelled."""
@@ -178,35 +217,54 @@ def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
     return (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
 
 
-def emulated_setup(netem, kernels_path, loopback_path):
-    """(latency, kernels) for a run of benchmarks/netem/run.sh on this machine's 2 cores.
+def latency_hops(n, impl):
+    """Hop latencies on one all-reduce's critical path: 2(n-1) for a ring, plus the agreement check's."""
+    if impl == TORCH:
+        return 2 * (n - 1)
+    return 2 * (n - 1) + (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1)
 
-    The latency is measured: the smallest message's torch fp32 all-reduce time over its 2(n-1)
-    hops, at the lowest rate. The ranks share the cores, so the kernels and the TCP stack (measured
-    on loopback) run n / cores times slower.
+
+def measured_latencies(netem):
+    """Seconds per hop, from the latency-bound rows of a netem run (messages too small for the shaper
+    to engage), per implementation: gloo's all_reduce and gradsync's ring are different software.
+    The median over every such row and rate, as single rows here move by +-30 % between runs."""
+    n = netem["meta"]["ranks"]
+    per_hop = {TORCH: [], "gradsync": []}
+    for r in netem["rows"]:
+        if r["bytes"] <= LATENCY_BOUND_BYTES and r["impl"] in IMPLS:
+            per_hop[TORCH if r["impl"] == TORCH else "gradsync"].append(r["time_ms"] * 1e-3 / latency_hops(n, r["impl"]))
+    latencies = {k: statistics.median(v) for k, v in per_hop.items()}
+    quiet = [v for v in netem["meta"].get("p2p_latency_us", {}).values() if v]
+    latencies["quiet"] = statistics.median(quiet) * 1e-6 if quiet else None
+    return latencies
+
+
+def emulated_setup(netem, kernels_path, loopback_path):
+    """(latencies, kernels) for a run of benchmarks/netem/run.sh on this machine's 2 cores.
+
+    The latencies are measured (`measured_latencies`). The ranks share the cores, so the kernels
+    and the TCP stack (measured on loopback) run n / cores times slower.
     """
     n = netem["meta"]["ranks"]
-    smallest = min(r["bytes"] for r in netem["rows"])
-    slowest = min(r["rate_gbit"] for r in netem["rows"])
-    t = [r["time_ms"] for r in netem["rows"] if r["impl"] == TORCH and r["bytes"] == smallest and r["rate_gbit"] == slowest]
-    latency = t[0] * 1e-3 / (2 * (n - 1))
     kernels = cpu_kernels(kernels_path)
     with open(loopback_path) as f:
         kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
     name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {EMULATED_CORES} cores"
-    return latency, kernels.scaled(max(1.0, n / EMULATED_CORES), name)
+    return measured_latencies(netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
 
 
 def validate(netem, kernels_path, loopback_path, min_bytes=VALIDATED_MIN_BYTES):
     """Measured against predicted for every modelled row of a netem report JSON: a list of dicts."""
-    latency, kernels = emulated_setup(netem, kernels_path, loopback_path)
+    latencies, kernels = emulated_setup(netem, kernels_path, loopback_path)
     n = netem["meta"]["ranks"]
     out = []
     for r in netem["rows"]:
         if r["impl"] not in IMPLS or r["bytes"] < min_bytes:
             continue
         bps = r["rate_gbit"] * 1e9
-        link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps)
+        latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
+        link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
+                    quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None, shared_cores=True)
         predicted = allreduce_time(r["bytes"] // 4, n, link, kernels, r["impl"]) * 1e3
         out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
                     "predicted_ms": predicted, "error": predicted / r["time_ms"] - 1})
@@ -317,9 +375,9 @@ def main():
     if args.validate:
         with open(args.validate) as f:
             netem = json.load(f)
-        latency, kernels = emulated_setup(netem, args.kernels, args.loopback)
-        print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); measured hop latency "
-              f"{latency * 1e6:.0f} us; {kernels.name}")
+        latencies, kernels = emulated_setup(netem, args.kernels, args.loopback)
+        print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); measured hop latency: "
+              + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in latencies.items() if v) + f"; {kernels.name}")
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes)))
         print()
     cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None

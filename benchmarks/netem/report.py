@@ -58,7 +58,8 @@ def load(paths):
         rate = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))[1]
         with open(path) as f:
             run = json.load(f)
-        meta = meta or dict(run["meta"], title=run["title"])
+        meta = meta or dict(run["meta"], title=run["title"], p2p_latency_us={})
+        meta["p2p_latency_us"][rate] = run["meta"].get("p2p_latency_us")
         n, bps = run["meta"]["ranks"], rate_bps(rate)
         for r in run["rows"]:
             bound = link_bound_s(n, r["wire_bytes"], bps) * 1e3
