@@ -196,11 +196,6 @@ def link_bound(numel, n, link, codec):
 EMULATED_CORES = 2
 TCP_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps): tbf counts whole frames
 LATENCY_BOUND_BYTES = 64 << 10
-VALIDATED_MIN_BYTES = 16 << 20
-"""Below this the emulated runs are ruled by the shaper's burst (0.25-1 MB pass at once) and by this
-VM's wake-up latency (a 1 KB all-reduce takes longer than a 256 KB one), neither of them modelled."""
-
-
 def tbf_burst_bytes(bps):
     """The bucket benchmarks/netem/run.sh gives tbf: 4 ms of traffic, at least 256 KB."""
     return max(262144, bps // 2000)
@@ -253,7 +248,7 @@ def emulated_setup(netem, kernels_path, loopback_path):
     return measured_latencies(netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
 
 
-def validate(netem, kernels_path, loopback_path, min_bytes=VALIDATED_MIN_BYTES):
+def validate(netem, kernels_path, loopback_path, min_bytes=0):
     """Measured against predicted for every modelled row of a netem report JSON: a list of dicts."""
     latencies, kernels = emulated_setup(netem, kernels_path, loopback_path)
     n = netem["meta"]["ranks"]
@@ -369,7 +364,7 @@ def main():
     parser.add_argument("--loopback", default="benchmarks/results/2026-11-30-cpu-allreduce-4ranks.json",
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
-    parser.add_argument("--min-bytes", type=int, default=VALIDATED_MIN_BYTES, help="validate rows of at least this size")
+    parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
     parser.add_argument("--bucket-mb", type=int, default=25)
     args = parser.parse_args()
     if args.validate:
