@@ -195,7 +195,9 @@ def link_bound(numel, n, link, codec):
 
 EMULATED_CORES = 2
 TCP_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps): tbf counts whole frames
-LATENCY_BOUND_BYTES = 64 << 10
+LATENCY_BOUND_BYTES = 64 << 10  # all-reduces this small measure hop latencies: the shaper's bucket passes them
+
+
 def tbf_burst_bytes(bps):
     """The bucket benchmarks/netem/run.sh gives tbf: 4 ms of traffic, at least 256 KB."""
     return max(262144, bps // 2000)
