@@ -27,8 +27,13 @@ if ! $python -m pip install --no-build-isolation --no-deps -e . > "$out/build.lo
 fi
 $python -m gradsync.report | tee "$out/report.txt"
 
-echo "== tests [$((SECONDS - started))s]"
-timeout 300 $python -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
+$python -c "import pytest, hypothesis, numpy" 2>&1 | tee "$out/tests_cuda.log" || status=1
+timeout 180 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== every other test [$((SECONDS - started))s]"
+timeout 240 $python -m pytest tests -m "not cuda" -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmarks [$((SECONDS - started))s]"

@@ -222,10 +222,12 @@ void RingEngine::execute(Job& job) {
   std::unique_ptr<RingKernels> kernels;
   const bool pinned = t.is_cuda();
 #ifdef GRADSYNC_WITH_CUDA
-  std::unique_ptr<c10::cuda::CUDAGuard> guard;
+  std::unique_ptr<c10::cuda::CUDAStreamGuard> guard;
   if (t.is_cuda()) {
-    guard = std::make_unique<c10::cuda::CUDAGuard>(t.device());
-    const cudaStream_t stream = c10::cuda::getStreamFromPool(false, t.device().index()).stream();
+    // current on this thread, so that the engine's device buffers come from this stream's pool and
+    // never from the default stream's, whose blocks the caller's later kernels may still be using
+    guard = std::make_unique<c10::cuda::CUDAStreamGuard>(c10::cuda::getStreamFromPool(false, t.device().index()));
+    const cudaStream_t stream = guard->current_stream().stream();
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
     kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                                                 static_cast<float>(o.postscale), stream);
@@ -249,7 +251,8 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   const RingOptions& o = job.options;
   TORCH_CHECK(t.device().index() == nccl_->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
               nccl_->device(), " but the tensor is on ", t.device());
-  const c10::cuda::CUDAGuard guard(t.device());
+  // buffers allocated here come from the compute stream's pool (see execute)
+  const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(compute_stream_, t.device().index()));
   const DType dtype = dtype_of(t);
   const int n = size();
   C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
@@ -263,7 +266,9 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     exchange_ring_calls(transport, records, 0);
     nccl_->synchronize(compute_stream_, nccl_timeout_ms_);
     std::vector<RingCall> host(n);
-    C10_CUDA_CHECK(cudaMemcpy(host.data(), records, n * record, cudaMemcpyDeviceToHost));
+    // on the compute stream, not the legacy default one, which would wait for the caller's work
+    C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
+    C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
     compare_ring_calls(host.data(), n);
   }
   CudaRingKernels kernels(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),

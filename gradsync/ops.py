@@ -145,6 +145,13 @@ def _payload_dtype(codec, x_dtype):
     return x_dtype if codec == "none" else _CAST_DTYPES.get(codec, torch.uint8)
 
 
+def _check_fp8_payload_alignment(payload, name):
+    # CUDA kernels read and write the block scales as floats, which a misaligned address would fault on
+    if payload.is_cuda and payload.data_ptr() % 4:
+        raise ValueError(f"{name}: an fp8 payload on CUDA must start at a 4-byte aligned address (its block "
+                         f"scales are floats); this one starts {payload.data_ptr() % 4} bytes past one")
+
+
 def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Encodes ``x * scale`` (in fp32, any shape, read in row-major order) into the wire payload of ``codec``
     (into ``out`` when given: a contiguous 1-D tensor of the payload's dtype and length).
@@ -165,6 +172,7 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
     if codec == "none" or codec in _CAST_DTYPES:
         _C.flatten_into([x], out, scale)
     else:
+        _check_fp8_payload_alignment(out, "out")
         _C.fp8_encode(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
     return out
 
@@ -203,5 +211,6 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
     if wire_numel is not None:
         _C.unflatten_from(payload.view(-1), [out], scale)
     else:
+        _check_fp8_payload_alignment(payload, "payload")
         _C.fp8_decode(payload.view(-1), out, _CODEC_IDS[codec], scale)
     return out

@@ -11,12 +11,12 @@ CODECS = gradsync.CODECS
 
 
 def to_cuda(tensors):
-    # keep each tensor's layout (strides) on the device
+    """The same tensors on the device, each with its layout: strides, storage offset, and expanded
+    (zero-stride) dimensions, which a copy into them could not write."""
     out = []
     for t in tensors:
-        d = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-        d.copy_(t)
-        out.append(d)
+        storage = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()).cuda()
+        out.append(storage.as_strided(t.shape, t.stride(), t.storage_offset()))
     return out
 
 
@@ -107,12 +107,26 @@ def test_random_bit_patterns_match_cpu():
 def test_big_buffer_and_current_stream():
     x = torch.randn(64 * 2**20 + 5, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # x is written on the current stream
     with torch.cuda.stream(stream):
         y = gradsync.flatten([x], dtype=torch.bfloat16, scale=0.5)
         z = gradsync.decompress(gradsync.compress(x, "fp8_e4m3"), "fp8_e4m3", x.numel())
     stream.synchronize()
     assert same_bits(y, (x * 0.5).bfloat16())
     assert torch.allclose(z, x, rtol=0.07, atol=1e-3)
+
+
+def test_fp8_payload_on_cuda_must_be_aligned_for_its_scales():
+    x = torch.randn(300, device="cuda")
+    n = gradsync.payload_nbytes("fp8_e4m3", x.numel())
+    buf = torch.empty(n + 4, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="out: an fp8 payload on CUDA must start at a 4-byte aligned"):
+        gradsync.compress(x, "fp8_e4m3", out=buf[1:1 + n])
+    buf[1:1 + n] = gradsync.compress(x, "fp8_e4m3")
+    with pytest.raises(ValueError, match="payload: an fp8 payload on CUDA must start at a 4-byte aligned"):
+        gradsync.decompress(buf[1:1 + n], "fp8_e4m3", x.numel())
+    assert same_bits(gradsync.decompress(buf[1:1 + n].clone(), "fp8_e4m3", x.numel()),
+                     gradsync.decompress(gradsync.compress(x, "fp8_e4m3"), "fp8_e4m3", x.numel()))
 
 
 def test_cuda_bad_input():
