@@ -1,6 +1,7 @@
 #include "ring/ring_allreduce.h"
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -238,39 +239,63 @@ void ring_posted_ahead(const RingCallLayout& L) {
 
 // For a stream-ordered transport: hop (step, slice) sends and receives in one group; every rank
 // issues the hops in the same order, and a chunk with fewer slices leaves its partner's receive
-// unpaired. The host never waits: wait() orders the kernels after the receive on the device.
+// unpaired. The host never waits: wait() orders the kernels after the receive on the device. A
+// send waits for every kernel issued before it, so each hop's kernel (and its wait) is issued after
+// the next hop: the transfer of slice k+1 then overlaps the kernel of slice k instead of following
+// it, unless that send reads what the kernel writes.
 void ring_paired(const RingCallLayout& L) {
   Transport& t = L.t;
   const RingPlan& plan = L.plan;
   const int n = L.n, r = L.r;
-  auto hop = [&](int step, int send_c, uint8_t* send_at, int recv_c, uint8_t* recv_at, int k) {
+  std::function<void()> pending;
+  const uint8_t* pending_writes = nullptr;
+  auto flush = [&] {
+    if (pending) pending();
+    pending = nullptr;
+    pending_writes = nullptr;
+  };
+  auto defer = [&](std::function<void()> kernel, const uint8_t* writes) {
+    pending = std::move(kernel);
+    pending_writes = writes;
+  };
+  auto hop = [&](int step, int send_c, const uint8_t* send_at, int recv_c, uint8_t* recv_at, int k) {
+    const bool sends = k < plan.slices(send_c);
+    if (sends && send_at == pending_writes) flush();
     t.group_begin();
-    if (k < plan.slices(send_c)) t.send(send_at, L.bytes(send_c, k), L.next, L.tag(step, k));
+    if (sends) t.send(send_at, L.bytes(send_c, k), L.next, L.tag(step, k));
     const int64_t h = k < plan.slices(recv_c) ? t.recv(recv_at, L.bytes(recv_c, k), L.prev, L.tag(step, k)) : -1;
     t.group_end();
-    t.wait(h);
-    return h >= 0;
+    flush();
+    return h;
   };
   for (int k = 0; k < plan.slices(r); ++k) L.encode(r, k);
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-      if (hop(s, cs, L.slot(L.send_image, cs, k), cr, L.slot(L.recv_image, cr, k), k)) L.reduce_encode(cr, k);
+      const int64_t h = hop(s, cs, L.slot(L.send_image, cs, k), cr, L.slot(L.recv_image, cr, k), k);
+      if (h >= 0) {
+        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.slot(L.send_image, cr, k));
+      }
     }
   }
+  flush();
   t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-      uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? L.slot(L.send_image, L.own, k) : L.landing(cs, k)) : nullptr;
-      if (hop(n - 1 + s, cs, payload, cr, L.landing(cr, k), k) && L.landing(cr, k) == L.slot(L.recv_image, cr, k)) {
-        L.decode(L.landing(cr, k), cr, k);
+      const uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? L.slot(L.send_image, L.own, k) : L.landing(cs, k)) : nullptr;
+      const int64_t h = hop(n - 1 + s, cs, payload, cr, L.landing(cr, k), k);
+      if (h >= 0 && L.landing(cr, k) == L.slot(L.recv_image, cr, k)) {
+        defer([&t, &L, h, cr, k] { t.wait(h); L.decode(L.landing(cr, k), cr, k); }, nullptr);
+      } else {
+        t.wait(h);
       }
     }
     if (s == 0) {
       for (int k = 0; k < plan.slices(L.own); ++k) L.decode(L.slot(L.send_image, L.own, k), L.own, k);
     }
   }
+  flush();
   t.wait_all();
 }
 

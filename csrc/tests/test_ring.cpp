@@ -5,6 +5,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,7 +66,9 @@ class Hub {
 };
 
 // `in_order`: NCCL's matching instead of gloo's: tags are ignored, messages between two ranks pair
-// up in the order they were issued, and the ring must use its paired (stream-ordered) schedule.
+// up in the order they were issued, and the ring must use its paired (stream-ordered) schedule. As
+// on NCCL's stream, a group (or a lone send or receive) starts after the previous one has finished,
+// so a payload received in one group can be forwarded in a later one.
 class LocalTransport : public Transport {
  public:
   LocalTransport(Hub& hub, int rank, int size, bool in_order = false)
@@ -73,13 +76,21 @@ class LocalTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   bool posts_receives_ahead() const override { return !in_order_; }
-  void group_begin() override { ++depth_; }
+  void group_begin() override {
+    if (depth_++ == 0) serialize();
+  }
   void group_end() override { CHECK(--depth_ >= 0, "group_end without group_begin"); }
   int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override {
+    if (depth_ == 0) serialize();
+    if (in_order_) {  // a stream-ordered send reads its payload as the kernels issued before it left it
+      sent_.emplace_back(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + bytes);
+      data = sent_.back().data();
+    }
     messages_.push_back(hub_.post(rank_, peer, in_order_ ? 0 : tag, data, nullptr, bytes));
     return static_cast<int64_t>(messages_.size()) - 1;
   }
   int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
+    if (depth_ == 0) serialize();
     messages_.push_back(hub_.post(peer, rank_, in_order_ ? 0 : tag, nullptr, data, bytes));
     return static_cast<int64_t>(messages_.size()) - 1;
   }
@@ -92,11 +103,15 @@ class LocalTransport : public Transport {
   }
 
  private:
+  void serialize() {
+    if (in_order_) for (auto& m : messages_) hub_.wait(m);
+  }
   Hub& hub_;
   int rank_, size_;
   bool in_order_;
   int depth_ = 0;
   std::vector<std::shared_ptr<Hub::Message>> messages_;
+  std::deque<std::vector<uint8_t>> sent_;
 };
 
 void check_plan(int64_t numel, int ranks, int64_t slice) {
