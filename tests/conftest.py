@@ -65,6 +65,11 @@ def random_bits_floats(n, *, generator=None):
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def float_bits(*patterns):
+    """float32 values with the given bit patterns (unsigned 32-bit integers)."""
+    return torch.tensor([b - 2**32 if b >= 2**31 else b for b in patterns], dtype=torch.int32).view(torch.float32)
+
+
 def same_bits(a, b):
     """Bitwise equality of two tensors of one dtype (NaN payloads included)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import gradsync
-from conftest import FLOAT_DTYPES, random_bits_floats, random_floats, same_bits
+from conftest import FLOAT_DTYPES, float_bits, random_bits_floats, random_floats, same_bits
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Per-element error bound of the block-scaled fp8 codecs, for a block with decode scale d = 2^-k:
@@ -115,10 +115,6 @@ def test_inf_and_nan_stay_non_finite(cpu_isa, codec):
     finite = torch.isfinite(x)
     rtol = 0.13 if codec == "fp8_e5m2" else 0.07
     assert torch.allclose(decoded[finite], x[finite], rtol=rtol, atol=1e-3)
-
-
-def float_bits(*patterns):
-    return torch.tensor([b - 2**32 if b >= 2**31 else b for b in patterns], dtype=torch.int32).view(torch.float32)
 
 
 @pytest.mark.parametrize("codec", FP8)

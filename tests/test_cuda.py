@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import gradsync
-from conftest import FLOAT_DTYPES, random_bits_floats, random_floats, same_bits
+from conftest import FLOAT_DTYPES, float_bits, random_bits_floats, random_floats, same_bits
 from test_flatten import gradient_like_list
 
 pytestmark = pytest.mark.cuda
@@ -74,7 +74,7 @@ def test_codecs_match_cpu_bitwise(codec, in_dtype):
     x = random_floats(128 * 1000 + 33, low_exp=-20, high_exp=20)
     if in_dtype != torch.float32:
         x = torch.randn(x.numel()).to(in_dtype)
-    nans = torch.tensor([0x7fc00000, 0xffc00000 - 2**32], dtype=torch.int32).view(torch.float32)  # both signs
+    nans = float_bits(0x7fc00000, 0xffc00000)  # both signs
     x[[5, 9000, 70000, 70001, 128 * 1000 + 7]] = torch.cat([torch.tensor([float("inf"), float("-inf")]), nans,
                                                             nans[1:]]).to(in_dtype)
     cpu_payload = gradsync.compress(x, codec, scale=0.3)
