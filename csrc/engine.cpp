@@ -67,10 +67,9 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
 #ifdef GRADSYNC_WITH_CUDA
   TORCH_CHECK(!nccl_, "gradsync: this group already has an NCCL communicator");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device);
+  auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));
   C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
   C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
-  nccl_timeout_ms_ = static_cast<int64_t>(timeout_s * 1000);
   std::lock_guard<std::mutex> lock(mutex_);  // published to the worker through the queue's mutex
   nccl_ = std::move(comm);
 #else
@@ -251,25 +250,39 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   const RingOptions& o = job.options;
   TORCH_CHECK(t.device().index() == nccl_->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
               nccl_->device(), " but the tensor is on ", t.device());
+  TORCH_CHECK(!nccl_->aborted(), "gradsync.all_reduce: this group's NCCL communicator was aborted after an earlier "
+              "failure; later calls on the group raise");
   // buffers allocated here come from the compute stream's pool (see execute)
   const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(compute_stream_, t.device().index()));
   const DType dtype = dtype_of(t);
   const int n = size();
   C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
-  NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+  // Once a transfer is enqueued, a failure of any kind leaves messages in flight that a later call
+  // would receive: abort the communicator, and let the kernels queued behind it finish first.
+  const auto aborting_on_failure = [&](auto&& body) {
+    try {
+      body();
+    } catch (...) {
+      nccl_->abort(compute_stream_);
+      throw;
+    }
+  };
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
     const RingCall call = ring_call(t, o, slice_elems);
     const int64_t record = sizeof(RingCall);
     at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
     auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
-    C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
-    exchange_ring_calls(transport, records, 0);
-    nccl_->synchronize(compute_stream_, nccl_timeout_ms_);
     std::vector<RingCall> host(n);
-    // on the compute stream, not the legacy default one, which would wait for the caller's work
-    C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
-    C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
-    compare_ring_calls(host.data(), n);
+    aborting_on_failure([&] {
+      NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+      C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
+      exchange_ring_calls(transport, records, 0);
+      nccl_->synchronize(compute_stream_);
+      // on the compute stream, not the legacy default one, which would wait for the caller's work
+      C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
+      C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
+    });
+    compare_ring_calls(host.data(), n);  // every rank raises alike; the communicator stays usable
   }
   CudaRingKernels kernels(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                           static_cast<float>(o.postscale), compute_stream_, /*synchronize=*/false);
@@ -278,8 +291,11 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
   uint8_t* recv_image = workspace(recv_image_, image_bytes, t.device(), false);
   uint8_t* send_image = workspace(send_image_, image_bytes, t.device(), false);
-  ring_allreduce(transport, kernels, plan, recv_image, send_image, 0);
-  nccl_->synchronize(compute_stream_, nccl_timeout_ms_);
+  aborting_on_failure([&] {
+    NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+    ring_allreduce(transport, kernels, plan, recv_image, send_image, 0);
+    nccl_->synchronize(compute_stream_);
+  });
 }
 #endif
 

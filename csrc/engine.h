@@ -62,7 +62,8 @@ class RingEngine {
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
   // CUDA tensors of this group travel over gradsync's own NCCL communicator from now on (all ranks
-  // call this together, with the unique id rank 0 made). Failed or timed-out calls abort it.
+  // call this together, with the unique id rank 0 made). Failed or timed-out calls abort it; so does
+  // a join that does not complete within timeout_s (a peer that died after the id went out).
   void attach_nccl(const std::string& unique_id, int device, double timeout_s);
   int nccl_device() const;
 
@@ -92,7 +93,6 @@ class RingEngine {
   at::Tensor recv_image_, send_image_, scratch_;
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<NcclComm> nccl_;
-  int64_t nccl_timeout_ms_ = 0;
   cudaStream_t compute_stream_ = nullptr, wire_stream_ = nullptr;
 #endif
   std::thread worker_;

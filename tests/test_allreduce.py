@@ -454,7 +454,30 @@ def test_nccl_transport_at_world_size_one():
     assert all(same.values()), [case for case, ok in same.items() if not ok]
 
 
-def nccl_matches_the_cpu_ring(rank, size):
+def nccl_join_without_the_peer(rank, size):
+    """Rank 0 joins a two-rank NCCL communicator that rank 1 never joins, as if it had died after
+    the unique id went out."""
+    if rank != 0:
+        return None
+    engine = gradsync.distributed._C.RingEngine(dist.group.WORLD)
+    start = time.monotonic()
+    try:
+        engine.attach_nccl(gradsync.distributed._C.nccl_unique_id(), 0, 3.0)
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error), engine.nccl_device
+    return time.monotonic() - start, "joined", engine.nccl_device
+
+
+@pytest.mark.cuda
+def test_nccl_join_times_out_when_a_peer_never_joins():
+    world = World(2)
+    try:
+        elapsed, message, device = world.run(nccl_join_without_the_peer, timeout=90)[0]
+    finally:
+        world.close()
+    assert "ncclCommInitRank did not complete within 3 s" in message
+    assert 3 <= elapsed < 30
+    assert device == -1
     gloo = dist.new_group(backend="gloo")
     same = {}
     for codec in gradsync.CODECS:

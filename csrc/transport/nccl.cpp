@@ -1,5 +1,6 @@
 #include "transport/nccl.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -19,68 +20,108 @@ std::string NcclComm::unique_id() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-NcclComm::NcclComm(const std::string& unique_id, int rank, int size, int device)
-    : rank_(rank), size_(size), device_(device) {
+NcclComm::NcclComm(const std::string& unique_id, int rank, int size, int device, int64_t timeout_ms)
+    : rank_(rank), size_(size), device_(device), timeout_ms_(timeout_ms) {
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id.internal)) throw std::invalid_argument("gradsync: malformed ncclUniqueId");
   std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  const ncclResult_t r = ncclCommInitRank(&comm_, size, id, rank);
-  if (r != ncclSuccess) {
-    comm_ = nullptr;
-    throw std::runtime_error(std::string("gradsync: ncclCommInitRank failed: ") + ncclGetErrorString(r) + " (" +
-                             ncclGetLastError(nullptr) + ")");
-  }
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+  check(r, "ncclCommInitRank");  // on failure the communicator is aborted, which frees it
 }
 
 NcclComm::~NcclComm() {
-  if (!comm_) return;
+  if (!comm_ || aborted_) return;
   cudaSetDevice(device_);
-  if (aborted_) return;
-  ncclCommDestroy(comm_);  // every call was synchronized: nothing is in flight
+  // Every call was synchronized, so finalizing only flushes NCCL's own state and takes milliseconds;
+  // a longer wait means peers have already gone, and aborting frees the same resources locally.
+  constexpr int64_t kFinalizeMs = 10000;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::min(timeout_ms_, kFinalizeMs));
+  ncclResult_t state = ncclCommFinalize(comm_);
+  while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+  }
+  if (state == ncclSuccess) ncclCommDestroy(comm_);
+  else ncclCommAbort(comm_);
 }
 
-void NcclComm::abort() {
+ncclComm_t NcclComm::get() const {
+  if (aborted_) throw std::runtime_error("gradsync: this group's NCCL communicator was aborted after an earlier failure");
+  return comm_;
+}
+
+void NcclComm::abort(cudaStream_t drain) {
   if (comm_ && !aborted_) {
     aborted_ = true;
     ncclCommAbort(comm_);
   }
+  if (!drain) return;
+  // NCCL's kernels leave once aborted, so the kernels queued behind them run now; wait for them, but
+  // never forever (a kernel that never ends is reported by the caller's next CUDA call anyway).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (cudaStreamQuery(drain) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+void NcclComm::fail(const std::string& message, cudaStream_t drain) {
+  abort(drain);
+  throw std::runtime_error("gradsync: " + message);
+}
+
+std::string NcclComm::describe(ncclResult_t result) const {
+  return std::string(ncclGetErrorString(result)) + " (" + ncclGetLastError(aborted_ ? nullptr : comm_) + ")";
 }
 
 void NcclComm::check(ncclResult_t result, const char* what) {
   if (result == ncclSuccess) return;
-  const std::string message = std::string("gradsync: ") + what + " failed: " + ncclGetErrorString(result) + " (" +
-                              ncclGetLastError(comm_) + ")";
-  abort();
-  throw std::runtime_error(message);
+  if (result != ncclInProgress) fail(std::string(what) + " failed: " + describe(result));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  for (;;) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) fail(std::string(what) + " failed: " + describe(state));
+    if (std::chrono::steady_clock::now() > deadline) {
+      fail(std::string(what) + " did not complete within " + std::to_string(timeout_ms_ / 1000) +
+           " s (a peer died or never called it); the communicator was aborted");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
-void NcclComm::synchronize(cudaStream_t stream, int64_t timeout_ms) {
+void NcclComm::synchronize(cudaStream_t stream) {
   if (aborted_) throw std::runtime_error("gradsync: the NCCL communicator was aborted after an earlier failure");
   cudaEvent_t done;
   check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-  check_cuda(cudaEventRecord(done, stream), "cudaEventRecord");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const cudaError_t recorded = cudaEventRecord(done, stream);
+  if (recorded != cudaSuccess) {
+    cudaEventDestroy(done);
+    check_cuda(recorded, "cudaEventRecord");
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
   for (;;) {
     const cudaError_t state = cudaEventQuery(done);
     if (state == cudaSuccess) break;
     if (state != cudaErrorNotReady) {
       cudaEventDestroy(done);
-      abort();
-      check_cuda(state, "an all-reduce kernel failed");
+      fail(std::string("an all-reduce kernel failed: ") + cudaGetErrorString(state));
     }
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);
     if (async != ncclSuccess && async != ncclInProgress) {
       cudaEventDestroy(done);
-      check(async, "an NCCL transfer");
+      fail("an NCCL transfer failed: " + describe(async), stream);
     }
     if (std::chrono::steady_clock::now() > deadline) {
       cudaEventDestroy(done);
-      abort();
-      throw std::runtime_error("gradsync: the NCCL all-reduce did not complete within " +
-                               std::to_string(timeout_ms / 1000) + " s (a peer died or stopped calling); "
-                               "the communicator was aborted");
+      fail("the NCCL all-reduce did not complete within " + std::to_string(timeout_ms_ / 1000) +
+               " s (a peer died or stopped calling); the communicator was aborted",
+           stream);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
@@ -88,7 +129,24 @@ void NcclComm::synchronize(cudaStream_t stream, int64_t timeout_ms) {
 }
 
 NcclTransport::~NcclTransport() {
+  // An exception between group_begin and group_end leaves this thread's NCCL group open, and every
+  // later NCCL call of the thread would join it: close it (the engine then aborts the communicator).
+  while (depth_ > 0) {
+    --depth_;
+    ncclGroupEnd();
+  }
   for (cudaEvent_t e : owned_) cudaEventDestroy(e);
+}
+
+void NcclTransport::call(ncclResult_t result, const char* what) {
+  if (result != ncclSuccess && result != ncclInProgress) {
+    // NCCL ends a group that saw an error by discarding its calls and returning the error
+    while (depth_ > 0) {
+      --depth_;
+      ncclGroupEnd();
+    }
+  }
+  comm_.check(result, what);
 }
 
 cudaEvent_t NcclTransport::record(cudaStream_t stream) {
@@ -100,12 +158,12 @@ cudaEvent_t NcclTransport::record(cudaStream_t stream) {
 }
 
 void NcclTransport::group_begin() {
-  if (depth_++ == 0) comm_.check(ncclGroupStart(), "ncclGroupStart");
+  if (depth_++ == 0) call(ncclGroupStart(), "ncclGroupStart");
 }
 
 void NcclTransport::group_end() {
   if (--depth_ > 0) return;
-  comm_.check(ncclGroupEnd(), "ncclGroupEnd");
+  comm_.check(ncclGroupEnd(), "ncclGroupEnd");  // enqueues the group's transfers; may be in progress
   for (int64_t h : in_group_) done_[static_cast<size_t>(h)] = record(wire_);  // after the group's kernel
   in_group_.clear();
 }
@@ -114,12 +172,12 @@ void NcclTransport::fence() { check_cuda(cudaStreamWaitEvent(wire_, record(compu
 
 int64_t NcclTransport::send(const void* data, int64_t bytes, int peer, uint32_t) {
   fence();  // the payload is written by kernels issued before this send
-  comm_.check(ncclSend(data, static_cast<size_t>(bytes), ncclUint8, peer, comm_.get(), wire_), "ncclSend");
+  call(ncclSend(data, static_cast<size_t>(bytes), ncclUint8, peer, comm_.get(), wire_), "ncclSend");
   return -1;
 }
 
 int64_t NcclTransport::recv(void* data, int64_t bytes, int peer, uint32_t) {
-  comm_.check(ncclRecv(data, static_cast<size_t>(bytes), ncclUint8, peer, comm_.get(), wire_), "ncclRecv");
+  call(ncclRecv(data, static_cast<size_t>(bytes), ncclUint8, peer, comm_.get(), wire_), "ncclRecv");
   const int64_t handle = static_cast<int64_t>(done_.size());
   done_.push_back(nullptr);
   if (depth_ > 0) in_group_.push_back(handle);

@@ -6,6 +6,11 @@
 // never blocks inside the ring. NcclComm::synchronize is the only host wait: it polls the stream
 // and NCCL's asynchronous error, and aborts the communicator on an error or after the timeout, so a
 // dead peer makes the survivors raise instead of hanging in a kernel forever.
+//
+// The communicator is non-blocking (ncclConfig_t::blocking = 0): a blocking ncclCommInitRank waits
+// forever for a peer that died after the unique id went out, and a blocking call cannot be
+// aborted. Any call may then return ncclInProgress; the host polls until it settles, within the
+// same timeout.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,25 +27,34 @@ namespace gradsync {
 class NcclComm {
  public:
   static std::string unique_id();  // the bytes of a fresh ncclUniqueId (made by rank 0)
-  NcclComm(const std::string& unique_id, int rank, int size, int device);
-  ~NcclComm();  // ncclCommDestroy, or ncclCommAbort once a failure has been seen
+  // Joins the communicator; throws (after aborting it) if that does not complete within timeout_ms.
+  NcclComm(const std::string& unique_id, int rank, int size, int device, int64_t timeout_ms);
+  ~NcclComm();  // ncclCommFinalize + ncclCommDestroy, or ncclCommAbort after a failure
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
-  ncclComm_t get() const { return comm_; }
+  ncclComm_t get() const;  // throws once aborted: the handle is freed then
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
-  // Blocks until `stream` has drained. On an NCCL or CUDA error, or after timeout_ms, aborts the
-  // communicator (peers blocked on it fail too) and throws.
-  void synchronize(cudaStream_t stream, int64_t timeout_ms);
-  // Throws, with NCCL's own message, if `result` is an error.
+  bool aborted() const { return aborted_; }
+  // Blocks until `stream` has drained. On an NCCL or CUDA error, or after the timeout, aborts the
+  // communicator and throws.
+  void synchronize(cudaStream_t stream);
+  // Returns once a call's `result` has settled (a non-blocking call may be ncclInProgress); on an
+  // error or at the timeout aborts the communicator and throws, with NCCL's own message.
   void check(ncclResult_t result, const char* what);
+  // Aborts the communicator (idempotent): NCCL's kernels and proxy threads give up, and every
+  // later call raises. `drain`, when given, is then waited for (boundedly), so that no kernel
+  // queued behind the aborted transfers writes the caller's memory after the failure is reported.
+  void abort(cudaStream_t drain = nullptr);
 
  private:
-  void abort();
+  [[noreturn]] void fail(const std::string& message, cudaStream_t drain = nullptr);
+  std::string describe(ncclResult_t result) const;
   ncclComm_t comm_ = nullptr;
   int rank_, size_, device_;
+  int64_t timeout_ms_;
   bool aborted_ = false;
 };
 
@@ -61,6 +75,7 @@ class NcclTransport : public Transport {
 
  private:
   cudaEvent_t record(cudaStream_t stream);
+  void call(ncclResult_t result, const char* what);
   NcclComm& comm_;
   cudaStream_t compute_, wire_;
   int depth_ = 0;
