@@ -71,7 +71,7 @@ def time_call(fn, x, original, device, iters, group):
         fn(x)
         common.sync(device)
         samples.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)  # NCCL moves CUDA tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's median
     return float(t) * 1e3
 
@@ -96,9 +96,10 @@ def p2p_latency(device, iters=200):
     return statistics.median(samples) / 2 if samples else 0.0
 
 
-def relative_error(x, reference):
-    err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)], dtype=torch.float64)
-    dist.all_reduce(err)  # every rank holds the same result; summing keeps the ratio
+def relative_error(x, reference, group=None):
+    err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)], dtype=torch.float64,
+                       device=x.device)
+    dist.all_reduce(err, group=group)  # every rank holds the same result; summing keeps the ratio
     return float((err[0] / err[1]).sqrt()) if err[1] > 0 else 0.0
 
 
@@ -150,10 +151,7 @@ def accuracy(device, numel=1 << 20):
         for name, (fn, _) in implementations(n, group).items():
             x = original.clone()
             fn(x)
-            err = torch.tensor([float((x.double() - reference).norm() ** 2), float(reference.norm() ** 2)],
-                               dtype=torch.float64)
-            dist.all_reduce(err, group=group)
-            rows.append({"ranks": n, "impl": name, "error": float((err[0] / err[1]).sqrt())})
+            rows.append({"ranks": n, "impl": name, "error": relative_error(x, reference, group)})
     return rows
 
 

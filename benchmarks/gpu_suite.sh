@@ -8,6 +8,7 @@
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the script works from the repository's root
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import CODECS, FLOAT_DTYPES, _CODEC_IDS, _check_codec
+from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec
 
 OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20

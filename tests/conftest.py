@@ -2,8 +2,6 @@ import pytest
 import torch
 from hypothesis import settings
 
-
-import gradsync
 from distributed_harness import World
 from gradsync import _C
 

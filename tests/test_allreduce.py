@@ -478,6 +478,9 @@ def test_nccl_join_times_out_when_a_peer_never_joins():
     assert "ncclCommInitRank did not complete within 3 s" in message
     assert 3 <= elapsed < 30
     assert device == -1
+
+
+def nccl_matches_the_cpu_ring(rank, size):
     gloo = dist.new_group(backend="gloo")
     same = {}
     for codec in gradsync.CODECS:
