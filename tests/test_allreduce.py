@@ -255,6 +255,32 @@ def test_memory_is_flat_over_a_thousand_calls(worlds):
     assert max(growth) < 8 * 2**20, growth
 
 
+def many_cuda_calls(rank, size):
+    """Host and device memory across 1,000 calls on a CUDA tensor (gloo: staged through pinned
+    host memory; NCCL: gradsync's communicator, its events and device workspaces)."""
+    torch.cuda.set_device(0)
+    x = torch.randn(1 << 16, device="cuda")
+    for i in range(60):  # every codec, so that the workspaces have reached their size
+        gradsync.all_reduce(x, codec=("fp16", "fp8_e4m3", "none")[i % 3])
+    torch.cuda.synchronize()
+    host, device = rss_bytes(), torch.cuda.memory_allocated()
+    for i in range(1000):
+        gradsync.all_reduce(x, codec=("fp16", "fp8_e4m3", "none")[i % 3])
+    torch.cuda.synchronize()
+    return rss_bytes() - host, torch.cuda.memory_allocated() - device
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_cuda_memory_is_flat_over_a_thousand_calls(backend):
+    world = World(2 if backend == "gloo" else 1, backend=backend)  # NCCL: one rank per GPU
+    try:
+        growth = world.run(many_cuda_calls)
+    finally:
+        world.close()
+    assert all(host < 8 * 2**20 and device == 0 for host, device in growth), growth
+
+
 def die_mid_ring(rank, size, victim):
     x = torch.randn(8 * 2**20)
     if rank == victim:
