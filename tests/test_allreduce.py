@@ -316,6 +316,34 @@ def test_a_dead_peer_makes_the_survivors_raise_within_the_timeout():
         world.close()
 
 
+def call_once_and_time_the_failure(rank, size):
+    x = torch.randn(1 << 20)
+    before = x.clone()
+    start = time.monotonic()
+    try:
+        gradsync.all_reduce(x, codec="fp8_e4m3")
+    except Exception as e:  # noqa: BLE001 - whatever the wire says, it must say it in time
+        return time.monotonic() - start, f"{type(e).__name__}: {e}", torch.equal(x, before)
+    return time.monotonic() - start, "no error", torch.equal(x, before)
+
+
+def test_a_silent_peer_makes_the_others_raise_within_the_timeout():
+    """Rank 2 lives on but never calls: ranks 0 and 1 must raise after the group's timeout, and
+    since the ring never reached its all-gather, their tensors are untouched."""
+    timeout_s = 5
+    world = World(3, group_timeout_s=timeout_s)
+    try:
+        for conn in world.conns[:2]:
+            conn.send((call_once_and_time_the_failure.__module__, call_once_and_time_the_failure.__name__, ()))
+        for rank in (0, 1):
+            assert world.conns[rank].poll(timeout_s + 30), f"rank {rank} hangs"
+            status, (seconds, message, untouched) = world.conns[rank].recv()
+            assert message != "no error" and timeout_s - 1 <= seconds <= timeout_s + 10, (seconds, message)
+            assert untouched, message
+    finally:
+        world.close()
+
+
 def destroy_group_first(rank, size):
     x = torch.randn(100000)
     gradsync.all_reduce(x, codec="fp16")
