@@ -9,6 +9,8 @@ tensors of a non-NCCL group through pinned host memory, over the group's own sen
 import atexit
 import math
 import numbers
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -137,6 +139,10 @@ def _attach_nccl(engine, group, device):
     the other ranks through the group itself, then every rank joins (ncclCommInitRank)."""
     if not _C.build_info()["cuda"]:
         raise RuntimeError("gradsync was built without CUDA: it cannot all-reduce CUDA tensors")
+    if os.environ.get("NCCL_COMM_BLOCKING", "").strip() == "1":
+        warnings.warn("NCCL_COMM_BLOCKING=1 makes gradsync's NCCL communicator blocking: a peer that dies before "
+                      "joining it then makes the others wait forever instead of raising after the group's timeout",
+                      RuntimeWarning, stacklevel=4)
     unique_id = [_C.nccl_unique_id() if group.rank() == 0 else None]
     dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group, device=device)
     engine.attach_nccl(unique_id[0], device.index, _group_timeout_s(group))

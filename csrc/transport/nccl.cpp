@@ -11,6 +11,24 @@ namespace {
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("gradsync: ") + what + ": " + cudaGetErrorString(e));
 }
+
+// The pause between two polls. A non-blocking ncclGroupEnd hands every group to a fresh NCCL
+// thread (NCCL >= 2.23), which settles within microseconds, as does a short all-reduce: yield for
+// the first 2 ms, so that a hop pays no sleep, then sleep 100 us, so that a long wait leaves the
+// core to others.
+class Backoff {
+ public:
+  void pause() {
+    if (std::chrono::steady_clock::now() - start_ < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+ private:
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
 }  // namespace
 
 std::string NcclComm::unique_id() {
@@ -40,8 +58,9 @@ NcclComm::~NcclComm() {
   constexpr int64_t kFinalizeMs = 10000;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::min(timeout_ms_, kFinalizeMs));
   ncclResult_t state = ncclCommFinalize(comm_);
+  Backoff backoff;
   while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    backoff.pause();
     if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
   }
   if (state == ncclSuccess) ncclCommDestroy(comm_);
@@ -62,9 +81,8 @@ void NcclComm::abort(cudaStream_t drain) {
   // NCCL's kernels leave once aborted, so the kernels queued behind them run now; wait for them, but
   // never forever (a kernel that never ends is reported by the caller's next CUDA call anyway).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (cudaStreamQuery(drain) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  Backoff backoff;
+  while (cudaStreamQuery(drain) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) backoff.pause();
 }
 
 void NcclComm::fail(const std::string& message, cudaStream_t drain) {
@@ -73,13 +91,16 @@ void NcclComm::fail(const std::string& message, cudaStream_t drain) {
 }
 
 std::string NcclComm::describe(ncclResult_t result) const {
-  return std::string(ncclGetErrorString(result)) + " (" + ncclGetLastError(aborted_ ? nullptr : comm_) + ")";
+  // NCCL keeps one last-warning text per process, shared with torch's own communicators
+  return std::string(ncclGetErrorString(result)) + " (NCCL's last warning, maybe unrelated: " +
+         ncclGetLastError(nullptr) + ")";
 }
 
 void NcclComm::check(ncclResult_t result, const char* what) {
   if (result == ncclSuccess) return;
   if (result != ncclInProgress) fail(std::string(what) + " failed: " + describe(result));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  Backoff backoff;
   for (;;) {
     ncclResult_t state = ncclInProgress;
     const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
@@ -90,7 +111,7 @@ void NcclComm::check(ncclResult_t result, const char* what) {
       fail(std::string(what) + " did not complete within " + std::to_string(timeout_ms_ / 1000) +
            " s (a peer died or never called it); the communicator was aborted");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    backoff.pause();
   }
 }
 
@@ -104,6 +125,7 @@ void NcclComm::synchronize(cudaStream_t stream) {
     check_cuda(recorded, "cudaEventRecord");
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  Backoff backoff;
   for (;;) {
     const cudaError_t state = cudaEventQuery(done);
     if (state == cudaSuccess) break;
@@ -123,14 +145,16 @@ void NcclComm::synchronize(cudaStream_t stream) {
                " s (a peer died or stopped calling); the communicator was aborted",
            stream);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    backoff.pause();
   }
   cudaEventDestroy(done);
 }
 
 NcclTransport::~NcclTransport() {
   // An exception between group_begin and group_end leaves this thread's NCCL group open, and every
-  // later NCCL call of the thread would join it: close it (the engine then aborts the communicator).
+  // later NCCL call of the thread would join it: close it. That launches the group's transfers,
+  // which is harmless only because the engine aborts the communicator right after (every
+  // transport lives inside RingEngine::execute_nccl's aborting_on_failure).
   while (depth_ > 0) {
     --depth_;
     ncclGroupEnd();
