@@ -155,21 +155,20 @@ NcclTransport::~NcclTransport() {
   // later NCCL call of the thread would join it: close it. That launches the group's transfers,
   // which is harmless only because the engine aborts the communicator right after (every
   // transport lives inside RingEngine::execute_nccl's aborting_on_failure).
+  close_group();
+  for (cudaEvent_t e : owned_) cudaEventDestroy(e);
+}
+
+void NcclTransport::close_group() {
   while (depth_ > 0) {
     --depth_;
     ncclGroupEnd();
   }
-  for (cudaEvent_t e : owned_) cudaEventDestroy(e);
 }
 
 void NcclTransport::call(ncclResult_t result, const char* what) {
-  if (result != ncclSuccess && result != ncclInProgress) {
-    // NCCL ends a group that saw an error by discarding its calls and returning the error
-    while (depth_ > 0) {
-      --depth_;
-      ncclGroupEnd();
-    }
-  }
+  // NCCL ends a group that saw an error by discarding its calls and returning the error
+  if (result != ncclSuccess && result != ncclInProgress) close_group();
   comm_.check(result, what);
 }
 

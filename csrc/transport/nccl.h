@@ -76,6 +76,7 @@ class NcclTransport : public Transport {
  private:
   cudaEvent_t record(cudaStream_t stream);
   void call(ncclResult_t result, const char* what);
+  void close_group();  // ends this thread's open NCCL group, however deep
   NcclComm& comm_;
   cudaStream_t compute_, wire_;
   int depth_ = 0;
