@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: on a GPU machine with torch, nvcc, ninja and cupy preinstalled (no network needed),
-# builds gradsync, runs every test (the CUDA ones included), the kernel benchmarks and a one-rank
-# all-reduce over the NCCL transport, and writes
+# builds gradsync, runs every test (the CUDA ones included), the kernel benchmarks, a one-rank
+# all-reduce over the NCCL transport and the cost of one ring hop over NCCL, and writes
 # logs and JSON into OUTDIR. Target: under 8 minutes on one H200.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
@@ -45,6 +45,10 @@ timeout 240 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench
 echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]"
 timeout 120 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
   --max-bytes 256M --json "$out/bench_allreduce_cuda_1rank.json" 2>&1 | tee "$out/bench_allreduce_cuda_1rank.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== one ring hop over NCCL: host cost and latency, non-blocking vs blocking communicator [$((SECONDS - started))s]"
+timeout 90 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done in $((SECONDS - started))s, status $status"

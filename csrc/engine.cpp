@@ -309,6 +309,24 @@ void bind_ring(pybind11::module& m) {
     return py::bytes();
 #endif
   });
+  // for benchmarks/bench_nccl_hop.py
+  m.def("_nccl_hop_cost", [](int device, int hops, int64_t bytes, double timeout_s) {
+#ifdef GRADSYNC_WITH_CUDA
+    NcclHopCost cost{};
+    {
+      py::gil_scoped_release release;
+      cost = measure_nccl_hop_cost(device, hops, bytes, static_cast<int64_t>(timeout_s * 1000));
+    }
+    py::dict out;
+    out["issue_s"] = cost.issue_s;
+    out["complete_s"] = cost.complete_s;
+    return out;
+#else
+    (void)device, (void)hops, (void)bytes, (void)timeout_s;
+    TORCH_CHECK(false, "gradsync was built without CUDA");
+    return py::dict();
+#endif
+  }, py::arg("device"), py::arg("hops"), py::arg("bytes"), py::arg("timeout_s") = 60.0);
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)

@@ -23,6 +23,11 @@ OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20
 """The largest slice on the wire, the unit of pipelining: the ring aims at eight slices per chunk, between
 a quarter of this and this (smaller slices drown in per-message cost)."""
+NCCL_SLICE_BYTES = 128 << 20
+"""The same over NCCL, where the host issues every hop (an NCCL group, events, a kernel launch: tens of
+microseconds) while a GPU moves a slice of 1 MB in a few: so slices of 32 to 128 MB, which leaves one
+slice per chunk below 32 MB. What slicing would hide there is only the per-hop kernel, several times
+faster than the link (gradsync.model chooses this value; see README, "Performance")."""
 
 _engines = {}
 
@@ -181,8 +186,9 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         _check_residual(residual, tensor)
     group = _resolve_group(group)
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-    work = _engine(group, tensor).all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), SLICE_BYTES,
-                                     residual)
+    engine = _engine(group, tensor)
+    slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
+    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual)
     handle = AllReduceWork(work, tensor)
     if async_op:
         return handle

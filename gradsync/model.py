@@ -3,7 +3,7 @@
     python -m gradsync.model [--kernels KERNELS.json] [--validate NETEM.json]
 
 The ring is modelled as gradsync implements it (csrc/ring/ring_allreduce.cpp): the buffer is cut
-into n chunks and each chunk into m slices of 256 KiB to 1 MiB on the wire; a reduce-scatter of n-1 steps
+into n chunks and each chunk into m slices of 256 KiB to 1 MiB on the wire (32 to 128 MiB over NCCL); a reduce-scatter of n-1 steps
 (every hop one fused decode + add + encode, ``reduce_encode``) then an all-gather of n-1 steps (every
 hop forwards, then decodes). Per hop a slice of b wire bytes costs the link ``alpha + b / B``
 (alpha-beta); slices of one step stream back to back, so a step lasts the longer of its link time
@@ -20,7 +20,9 @@ all-reduces, a quiet hop from a ping-pong.
 
 Kernel costs come in seconds per fp32 element. For CPUs they are measured (``bench_kernels.py``
 JSON). No GPU kernel has been timed yet: the GPU figures are an *assumption*, a memory-bound
-estimate at the HBM bandwidth of an H200 (4.8 TB/s) for the bytes each kernel reads and writes.
+estimate at the HBM bandwidth of an H200 (4.8 TB/s) for the bytes each kernel reads and writes,
+and so is the host's cost of issuing each hop of the GPU ring (``GPU_HOP_HOST``), which the GPU
+cannot outrun: NCCL's own all-reduce is one kernel, gradsync's ring 2(n-1)m host-issued hops.
 Link latencies of the real topologies are assumed typical values, not measurements.
 
 Pure Python: importing it does not import torch.
@@ -32,6 +34,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
+NCCL_SLICE_BYTES = 128 << 20  # gradsync.distributed.NCCL_SLICE_BYTES
 DIRECT_EXCHANGE_RANKS = 8  # kDirectExchangeRanks in csrc/ring/ring_allreduce.h
 ALIGN = 128            # elements; chunks and slices are multiples of the fp8 block
 WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8_e4m3": 1 + 4 / 128, "fp8_e5m2": 1 + 4 / 128}
@@ -62,32 +65,42 @@ class Link:
 class Kernels:
     """Seconds per fp32 element for each ring kernel and codec (the add of a plain fp32 ring under "add"),
     and `network`: seconds of the rank's own processor per wire byte it sends and receives (a host TCP
-    stack; 0 where the NIC moves the data by DMA)."""
+    stack; 0 where the NIC moves the data by DMA). Where a host drives a device, `hop` is the host's
+    seconds to issue one hop (a transfer and its kernel), which the device cannot outrun, and
+    `slice_bytes` the transport's slice cap (gradsync.distributed)."""
     name: str
     encode: dict
     reduce_encode: dict
     decode: dict
     add: float
     network: float = 0.0
+    hop: float = 0.0
+    slice_bytes: int = SLICE_BYTES
 
     def scaled(self, factor, name=None):
         """The same kernels run `factor` times slower (e.g. ranks sharing a core)."""
         scale = lambda d: {k: v * factor for k, v in d.items()}  # noqa: E731
         return Kernels(name or f"{self.name} x{factor:g}", scale(self.encode), scale(self.reduce_encode),
-                       scale(self.decode), self.add * factor, self.network * factor)
+                       scale(self.decode), self.add * factor, self.network * factor, self.hop * factor, self.slice_bytes)
 
 
-def memory_bound_kernels(bandwidth, name):
+def memory_bound_kernels(bandwidth, name, hop=0.0, slice_bytes=SLICE_BYTES):
     """Kernels that run at `bandwidth` bytes/s over the bytes they read and write (fp32 in, w bytes per element out)."""
     enc = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
     red = {c: (4 + 2 * w) / bandwidth for c, w in WIRE_BYTES.items()}
     dec = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
     dec["none"] = 0.0  # with no postscale, the all-gather receives straight into the result
-    return Kernels(name, enc, red, dec, 12 / bandwidth)
+    return Kernels(name, enc, red, dec, 12 / bandwidth, hop=hop, slice_bytes=slice_bytes)
 
 
 H200_HBM = 4.8e12
-GPU_ASSUMED = memory_bound_kernels(H200_HBM, "ASSUMED GPU kernels: memory-bound at H200 HBM 4.8 TB/s (not measured)")
+# A hop over NCCL costs the host: a group on a non-blocking communicator, which NCCL (2.23 and later)
+# settles on a thread it starts for it (a thread start and join: 36-48 us measured on the 2-core
+# build machine), two event records and waits, and the kernel's launch.
+GPU_HOP_HOST = 40e-6
+GPU_ASSUMED = memory_bound_kernels(H200_HBM, "ASSUMED GPU kernels: memory-bound at H200 HBM 4.8 TB/s, "
+                                   f"{GPU_HOP_HOST * 1e6:.0f} us of host per hop (not measured)",
+                                   hop=GPU_HOP_HOST, slice_bytes=NCCL_SLICE_BYTES)
 
 
 def cpu_kernels(path):
@@ -131,18 +144,21 @@ def _exposed(wire, compute):
     return lo * lo / hi if hi > 0 else 0.0
 
 
-def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=SLICE_BYTES, check_call=True):
+def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=None, check_call=True):
     """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
 
     `plain`: torch's ring (fp32 wire, one add per hop, no encode or decode, no agreement check).
     `check_call`: gradsync's agreement check before the data: one hop of small messages up to
     DIRECT_EXCHANGE_RANKS ranks, n-1 hops around the ring beyond.
+    `slice_bytes`: the slice cap; by default the kernels' transport's.
     """
     if n == 1 or numel == 0:
         return 0.0
     w = 4.0 if plain else WIRE_BYTES[codec]
     chunk = _round_up(-(-numel // n))
     active = n if plain else min(n, -(-numel // chunk))  # chunks with data: slices that move in each step
+    if slice_bytes is None:  # NCCL's own ring pipelines inside one kernel, in slices of about this size
+        slice_bytes = SLICE_BYTES if plain else kernels.slice_bytes
     slice_elems = _round_up(_slice_elems(numel, n, 1 if w < 2 else int(w), slice_bytes))
     m = -(-chunk // slice_elems)
     elems = chunk / m                                # per slice, slices taken as equal
@@ -170,6 +186,8 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
         ag += (n - 1) * _exposed(wire, c_dec + c_net)
     check = (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1) * link.latency if check_call and not plain else 0.0
     total = check + rs + ag
+    if kernels.hop and not plain:  # the host issues 2(n-1)m hops; the last one's transfer and kernel follow
+        total = max(total, check + 2 * (n - 1) * m * kernels.hop + a + g + c_dec)
     if link.bucket and link.bandwidth != float("inf"):
         # a token bucket starts full: its first `bucket` seconds of traffic leave at once, which no
         # step can bank on but the whole call can, down to the time it would take on an unshaped link
@@ -179,11 +197,11 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     return total
 
 
-def allreduce_time(numel, n, link, kernels, impl):
+def allreduce_time(numel, n, link, kernels, impl, check_call=True):
     """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does) or "gradsync <codec>"."""
     if impl == TORCH:
         return ring_time(numel, n, link, kernels, plain=True) + numel * kernels.encode["none"]
-    return ring_time(numel, n, link, kernels, impl.split()[1])
+    return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call)
 
 
 def link_bound(numel, n, link, codec):
@@ -284,43 +302,77 @@ BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024, 4096]
 
 
 def step_time(params, n, link, kernels, impl, bucket_bytes):
-    """One step's gradient sync: the fp32 gradients in buckets, all-reduced one after another."""
+    """One step's gradient sync: the fp32 gradients in buckets, all-reduced one after another, without
+    the agreement check (the hooks and DataParallel check a bucket at its first all-reduce only)."""
     bucket = min(params, bucket_bytes // 4)
     full, rest = divmod(params, bucket)
-    t = full * allreduce_time(bucket, n, link, kernels, impl)
-    return t + (allreduce_time(rest, n, link, kernels, impl) if rest else 0.0)
+    t = full * allreduce_time(bucket, n, link, kernels, impl, check_call=False)
+    return t + (allreduce_time(rest, n, link, kernels, impl, check_call=False) if rest else 0.0)
 
 
 def knee_bucket(params, n, link, kernels, impl, within=0.10):
     """The smallest bucket (MB) whose step time is within `within` of one all-reduce of everything:
     smaller buckets overlap better with the backward pass, larger ones pay less latency."""
-    whole = allreduce_time(params, n, link, kernels, impl)
+    whole = allreduce_time(params, n, link, kernels, impl, check_call=False)
     for mb in BUCKETS_MB:
         if step_time(params, n, link, kernels, impl, mb * 2**20) <= (1 + within) * whole:
             return mb
     return None
 
 
-def latency_crossover(bucket_bytes, link, codec):
+def latency_crossover(bucket_bytes, link, codec, hop=0.0):
     """The ring size beyond which the latency term 2(n-1)alpha exceeds the bandwidth term
-    2(n-1)/n S_wire/B for one bucket: n = S_wire / (B alpha)."""
-    return bucket_bytes / 4 * WIRE_BYTES[codec] / (link.bandwidth * link.latency)
+    2(n-1)/n S_wire/B for one bucket: n = S_wire / (B alpha). `hop`: a host's cost of issuing a hop,
+    which acts as the latency where it is the larger."""
+    return bucket_bytes / 4 * WIRE_BYTES[codec] / (link.bandwidth * max(link.latency, hop))
 
 
-def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25, cpu=None):
-    """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
-    lines = [f"# Gradient sync per step, flat ring, fp32 gradients in {bucket_mb} MB buckets; {kernels.name}",
-             "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop", ""]
-    head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
-    for model, params in MODELS:
-        lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients; ms per step (speedup vs torch fp32)", head]
+SLICE_CAPS = [1 << k for k in range(20, 31)]  # 1 MB .. 1 GB
+REGRET_BUCKETS_MB = (1, 4, 16, 25, 64, 256, 1024)
+
+
+def slice_regrets(kernels=GPU_ASSUMED, hops=(15e-6, 40e-6, 80e-6), codecs=("none", "fp16", "fp8_e4m3")):
+    """For each slice cap of SLICE_CAPS, how much slower the ring is with it than with the best cap for
+    each case, at worst, over the projected topologies, buckets of 1 MB to 1 GB, `codecs` and host costs
+    per hop `hops` (the assumed one and 2x either side): {cap: (ratio, (hop, n, link, MB, codec))}.
+    The cap with the least worst ratio is gradsync.distributed.NCCL_SLICE_BYTES."""
+    worst = {cap: (1.0, None) for cap in SLICE_CAPS}
+    for hop in hops:
+        ks = replace(kernels, hop=hop)
         for n, link in TOPOLOGIES:
-            times = {i: step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in IMPLS}
-            cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
-            lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
-        lines.append("")
+            for mb in REGRET_BUCKETS_MB:
+                for codec in codecs:
+                    times = {c: ring_time(mb * 2**20 // 4, n, link, ks, codec, slice_bytes=c, check_call=False)
+                             for c in SLICE_CAPS}
+                    best = min(times.values())
+                    for cap, t in times.items():
+                        if t / best > worst[cap][0]:
+                            worst[cap] = (t / best, (hop, n, link.name, mb, codec))
+    return worst
+
+
+def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
+    """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
+    lines = [f"# Gradient sync per step, flat ring, fp32 gradients in buckets; {kernels.name}",
+             "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop; torch fp32 is NCCL's",
+             "# ring, one kernel for the whole all-reduce; gradsync's host issues each hop", ""]
+    head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
+    for bucket_mb in bucket_mbs:
+        for model, params in MODELS:
+            lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients in {bucket_mb} MB buckets; "
+                      "ms per step (speedup vs torch fp32)", head]
+            for n, link in TOPOLOGIES:
+                times = {i: step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in IMPLS}
+                cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
+                lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
+            lines.append("")
+    lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us (ASSUMED) issuing each of the ring's 2(n-1) hops, while a",
+              "chunk of a 25 MB bucket crosses NVLink in a few: with DDP's 25 MB buckets the GPU ring is bound",
+              "by its host. Buckets of 256 MB (bucket_cap_mb=256) make each hop long enough for compression to",
+              "pay up to 64 ranks; beyond, every bucket pays 2(n-1) host hops (below: hierarchical sync).", ""]
     lines += ["## Where compression pays: per element and hop, the slower of wire and kernel, fp32 ring vs codec (ps)",
-              "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's)",
+              "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's, once",
+              "hops are long enough to hide the host's cost of issuing them)",
               f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
     kernel_sets = [("GPU, assumed", kernels)] + ([("CPU, 1 thread, measured", cpu)] if cpu else [])
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
@@ -335,17 +387,27 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mb=25, cpu=None):
     for n, link in TOPOLOGIES:
         knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
         lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
+    regrets = slice_regrets(kernels)
+    regret, (hop, n, name, mb, codec) = regrets[kernels.slice_bytes]
+    lines += ["", f"## Slices over NCCL: {kernels.slice_bytes >> 20} MB at most (gradsync.distributed.NCCL_SLICE_BYTES)",
+              "Each slice is a hop the host issues; slicing a chunk hides the per-hop kernel and latency behind",
+              f"the other slices' transfers. This cap is at worst {regret:.2f}x slower than the best cap for each case",
+              f"(there: {hop * 1e6:.0f} us per hop, {n} ranks, {name}, {mb} MB, {codec}), over host costs of 15-80 us per hop,",
+              "the topologies above and buckets of 1 MB to 1 GB; the 1 MB cap of the CPU ring would be up to",
+              f"{regrets[SLICE_BYTES][0]:.0f}x slower."]
     lines += ["", "## Where the flat ring stops scaling",
               "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check past 8 ranks) while its",
               "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
-              f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>10}" for c in ("fp32", "fp16", "fp8"))]
+              "For gradsync's GPU ring alpha is at least the host's cost per hop.",
+              f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>14}" for c in ("torch fp32", "gradsync fp16", "fp8"))]
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         for mb in (25, 256):
-            ns = [latency_crossover(mb * 2**20, link, c) for c in ("none", "fp16", "fp8_e4m3")]
-            lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>10.0f}" for x in ns))
-    lines += ["Compression lowers S_wire and so lowers this n: at 512-1,024 ranks with 25 MB buckets every codec",
-              "is latency-bound over InfiniBand and Ethernet. That is the case for hierarchical sync (reduce",
-              "inside the node over NVLink, ring across nodes with n/8 ranks) or larger buckets."]
+            ns = [latency_crossover(mb * 2**20, link, "none")]
+            ns += [latency_crossover(mb * 2**20, link, c, kernels.hop) for c in ("fp16", "fp8_e4m3")]
+            lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>14.0f}" for x in ns))
+    lines += ["Compression lowers S_wire and so lowers this n. That is the case for hierarchical sync (reduce",
+              "inside the node over NVLink with NCCL, gradsync's compressed ring across nodes with n/8 ranks)",
+              "or larger buckets."]
     return "\n".join(lines)
 
 
@@ -367,7 +429,7 @@ def main():
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
-    parser.add_argument("--bucket-mb", type=int, default=25)
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 256])
     args = parser.parse_args()
     if args.validate:
         with open(args.validate) as f:
@@ -378,7 +440,7 @@ def main():
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes)))
         print()
     cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
-    print(projection_tables(bucket_mb=args.bucket_mb, cpu=cpu))
+    print(projection_tables(bucket_mbs=args.bucket_mb, cpu=cpu))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import gradsync
@@ -28,6 +29,14 @@ def test_report_names_versions_and_devices(tmp_path):
     for words in (gradsync.__version__, "build flavour", "CUDA compiled for", "NCCL linked", "torch built against",
                   "torch running", torch.__version__, "GPUs"):
         assert words in result.stdout
+
+
+def test_the_nccl_hop_benchmark_needs_a_cuda_build():
+    if gradsync._C.build_info()["cuda"] is None:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            gradsync._C._nccl_hop_cost(0, 10, 4096)
+    else:  # measured by tests/test_cuda.py on a GPU
+        assert callable(gradsync._C._nccl_hop_cost)
 
 
 def test_incompatibility_reasons():

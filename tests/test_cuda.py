@@ -134,3 +134,10 @@ def test_cuda_bad_input():
         gradsync.flatten([torch.randn(3, device="cuda"), torch.randn(3)])
     with pytest.raises(ValueError, match="out is on cpu"):
         gradsync.compress(torch.randn(3, device="cuda"), "fp16", out=torch.empty(3, dtype=torch.float16))
+
+
+def test_a_nccl_hop_is_measured_on_one_gpu():
+    cost = gradsync._C._nccl_hop_cost(torch.cuda.current_device(), 20, 4096)
+    assert 0 < cost["issue_s"] <= cost["complete_s"] < 1.0
+    with pytest.raises(ValueError, match="hops"):
+        gradsync._C._nccl_hop_cost(torch.cuda.current_device(), 0, 4096)

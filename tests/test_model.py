@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -78,9 +79,31 @@ def test_latency_dominates_past_the_crossover():
 
 def test_buckets_never_beat_one_whole_all_reduce():
     ib = model.Link("ib", 50e9, 5e-6)
-    whole = model.allreduce_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16")
+    whole = model.allreduce_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16", check_call=False)
     for mb in model.BUCKETS_MB:
         assert model.step_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16", mb * 2**20) >= whole * (1 - 1e-9)
+
+
+def test_a_host_that_issues_every_hop_bounds_the_ring():
+    n, hop = 4, 1e-3
+    host_bound = replace(FREE, hop=hop)
+    fast = link(bandwidth=math.inf)
+    # fp16: a chunk of NUMEL/4 elements is 8 MB on the wire, cut into 8 slices of 1 MB, or left whole
+    assert model.ring_time(NUMEL, n, fast, host_bound, "fp16", slice_bytes=1 << 20, check_call=False) == \
+        pytest.approx(2 * (n - 1) * 8 * hop)
+    assert model.ring_time(NUMEL, n, fast, host_bound, "fp16", slice_bytes=model.NCCL_SLICE_BYTES, check_call=False) == \
+        pytest.approx(2 * (n - 1) * hop)
+    assert model.ring_time(NUMEL, n, fast, host_bound, plain=True) == 0.0  # NCCL's ring: one kernel
+
+
+def test_the_nccl_slice_cap_is_the_one_the_model_chooses():
+    from gradsync import distributed  # noqa: F401  (needs the built package: the constants must agree)
+    assert model.NCCL_SLICE_BYTES == distributed.NCCL_SLICE_BYTES and model.SLICE_BYTES == distributed.SLICE_BYTES
+    assert model.GPU_ASSUMED.slice_bytes == model.NCCL_SLICE_BYTES
+    regrets = model.slice_regrets()
+    assert regrets[model.NCCL_SLICE_BYTES][0] == min(r for r, _ in regrets.values())
+    assert regrets[model.NCCL_SLICE_BYTES][0] < 1.5
+    assert regrets[model.SLICE_BYTES][0] > 10  # the CPU ring's slices, which one hop of host per slice cannot afford
 
 
 def test_importing_the_model_does_not_import_torch():

@@ -85,4 +85,14 @@ class NcclTransport : public Transport {
   std::vector<cudaEvent_t> owned_;       // every event made, destroyed with the transport
 };
 
+// What one ring hop costs over NCCL, measured on a one-rank communicator that sends to itself (so
+// one GPU suffices): `issue_s`, the host's seconds to issue a hop as the ring does (events, a group
+// of one send and one receive, the reduce kernel), and `complete_s`, seconds per hop until the GPU
+// has run them all. With a small payload neither is wire time: they are the host cost and the
+// latency of a hop of the GPU ring (gradsync.model assumes them until measured).
+struct NcclHopCost {
+  double issue_s, complete_s;
+};
+NcclHopCost measure_nccl_hop_cost(int device, int hops, int64_t bytes, int64_t timeout_ms);
+
 }  // namespace gradsync
