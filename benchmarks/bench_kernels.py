@@ -77,9 +77,13 @@ def bench_case(name, tensors, device, copy_rate):
     # (as torch.cat does for many) rather than divide the caller's gradient in place
     torch_seq = lambda: torch.cat([t.view(-1) for t in tensors]).div_(WORLD).half()  # noqa: E731
     torch_ms = add("torch cat+div+half", torch_seq, fused_bytes, error=rel_err(torch_seq()))
+    # gradsync writes into a buffer it keeps (as DataParallel's buckets and the ring's workspaces are);
+    # torch's sequence allocates its results, as the fp16 hook does. The second row allocates too.
     out = torch.empty(n, dtype=torch.float16, device=device)
     fused = lambda: gradsync.flatten(tensors, dtype=torch.float16, scale=1.0 / WORLD, out=out)  # noqa: E731
     add("gradsync flatten(fp16)", fused, fused_bytes, torch_ms, rel_err(fused()))
+    add("gradsync flatten(fp16), alloc",
+        lambda: gradsync.flatten(tensors, dtype=torch.float16, scale=1.0 / WORLD), fused_bytes, torch_ms)
     cupy_run = cupy_flatten(tensors) if device.type == "cuda" else None
     if cupy_run is not None:
         try:
