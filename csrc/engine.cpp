@@ -309,24 +309,29 @@ void bind_ring(pybind11::module& m) {
     return py::bytes();
 #endif
   });
-  // for benchmarks/bench_nccl_hop.py
-  m.def("_nccl_hop_cost", [](int device, int hops, int64_t bytes, double timeout_s) {
+  // for benchmarks/bench_nccl_hop.py: a list of {bytes, issue_s, pipelined_s, alone_s}, sizes x repeats
+  m.def("_nccl_hop_cost", [](int device, int hops, std::vector<int64_t> sizes, int repeats, double timeout_s) {
+    py::list out;
 #ifdef GRADSYNC_WITH_CUDA
-    NcclHopCost cost{};
+    std::vector<NcclHopCost> costs;
     {
       py::gil_scoped_release release;
-      cost = measure_nccl_hop_cost(device, hops, bytes, static_cast<int64_t>(timeout_s * 1000));
+      costs = measure_nccl_hop_cost(device, hops, sizes, repeats, static_cast<int64_t>(timeout_s * 1000));
     }
-    py::dict out;
-    out["issue_s"] = cost.issue_s;
-    out["complete_s"] = cost.complete_s;
-    return out;
+    for (size_t i = 0; i < costs.size(); ++i) {
+      py::dict row;
+      row["bytes"] = sizes[i / static_cast<size_t>(repeats)];
+      row["issue_s"] = costs[i].issue_s;
+      row["pipelined_s"] = costs[i].pipelined_s;
+      row["alone_s"] = costs[i].alone_s;
+      out.append(row);
+    }
 #else
-    (void)device, (void)hops, (void)bytes, (void)timeout_s;
+    (void)device, (void)hops, (void)sizes, (void)repeats, (void)timeout_s;
     TORCH_CHECK(false, "gradsync was built without CUDA");
-    return py::dict();
 #endif
-  }, py::arg("device"), py::arg("hops"), py::arg("bytes"), py::arg("timeout_s") = 60.0);
+    return out;
+  }, py::arg("device"), py::arg("hops"), py::arg("sizes"), py::arg("repeats") = 1, py::arg("timeout_s") = 60.0);
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)

@@ -27,7 +27,7 @@ NCCL_SLICE_BYTES = 128 << 20
 """The same over NCCL, where the host issues every hop (an NCCL group, events, a kernel launch: tens of
 microseconds) while a GPU moves a slice of 1 MB in a few: so slices of 32 to 128 MB, which leaves one
 slice per chunk below 32 MB. What slicing would hide there is only the per-hop kernel, several times
-faster than the link (gradsync.model chooses this value; see README, "Performance")."""
+faster than the link (gradsync.model chooses this value; see README, "Where it pays")."""
 
 _engines = {}
 

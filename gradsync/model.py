@@ -335,7 +335,8 @@ def slice_regrets(kernels=GPU_ASSUMED, hops=(15e-6, 40e-6, 80e-6), codecs=("none
     """For each slice cap of SLICE_CAPS, how much slower the ring is with it than with the best cap for
     each case, at worst, over the projected topologies, buckets of 1 MB to 1 GB, `codecs` and host costs
     per hop `hops` (the assumed one and 2x either side): {cap: (ratio, (hop, n, link, MB, codec))}.
-    The cap with the least worst ratio is gradsync.distributed.NCCL_SLICE_BYTES."""
+    The smallest cap with the least worst ratio is gradsync.distributed.NCCL_SLICE_BYTES (larger ones
+    tie or lose, and keep larger error-feedback scratch)."""
     worst = {cap: (1.0, None) for cap in SLICE_CAPS}
     for hop in hops:
         ks = replace(kernels, hop=hop)
@@ -388,11 +389,13 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
         knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
         lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
     regrets = slice_regrets(kernels)
-    regret, (hop, n, name, mb, codec) = regrets[kernels.slice_bytes]
+    regret, case = regrets[kernels.slice_bytes]
+    where = "never slower" if case is None else \
+        "{:.0f} us per hop, {} ranks, {}, {} MB, {}".format(case[0] * 1e6, *case[1:])
     lines += ["", f"## Slices over NCCL: {kernels.slice_bytes >> 20} MB at most (gradsync.distributed.NCCL_SLICE_BYTES)",
               "Each slice is a hop the host issues; slicing a chunk hides the per-hop kernel and latency behind",
               f"the other slices' transfers. This cap is at worst {regret:.2f}x slower than the best cap for each case",
-              f"(there: {hop * 1e6:.0f} us per hop, {n} ranks, {name}, {mb} MB, {codec}), over host costs of 15-80 us per hop,",
+              f"(there: {where}), over host costs of 15-80 us per hop,",
               "the topologies above and buckets of 1 MB to 1 GB; the 1 MB cap of the CPU ring would be up to",
               f"{regrets[SLICE_BYTES][0]:.0f}x slower."]
     lines += ["", "## Where the flat ring stops scaling",

@@ -34,7 +34,7 @@ def test_report_names_versions_and_devices(tmp_path):
 def test_the_nccl_hop_benchmark_needs_a_cuda_build():
     if gradsync._C.build_info()["cuda"] is None:
         with pytest.raises(RuntimeError, match="built without CUDA"):
-            gradsync._C._nccl_hop_cost(0, 10, 4096)
+            gradsync._C._nccl_hop_cost(0, 10, [4096])
     else:  # measured by tests/test_cuda.py on a GPU
         assert callable(gradsync._C._nccl_hop_cost)
 

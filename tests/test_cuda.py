@@ -137,7 +137,13 @@ def test_cuda_bad_input():
 
 
 def test_a_nccl_hop_is_measured_on_one_gpu():
-    cost = gradsync._C._nccl_hop_cost(torch.cuda.current_device(), 20, 4096)
-    assert 0 < cost["issue_s"] <= cost["complete_s"] < 1.0
+    device = torch.cuda.current_device()
+    rows = gradsync._C._nccl_hop_cost(device, 20, [4096, 65536], 2)
+    assert [r["bytes"] for r in rows] == [4096, 4096, 65536, 65536]
+    for r in rows:
+        assert all(0 < r[k] < 1.0 for k in ("issue_s", "pipelined_s", "alone_s")), r
+    assert torch.cuda.current_device() == device
     with pytest.raises(ValueError, match="hops"):
-        gradsync._C._nccl_hop_cost(torch.cuda.current_device(), 0, 4096)
+        gradsync._C._nccl_hop_cost(device, 0, [4096])
+    with pytest.raises(ValueError, match="sizes"):
+        gradsync._C._nccl_hop_cost(device, 10, [4095])

@@ -101,7 +101,8 @@ def test_the_nccl_slice_cap_is_the_one_the_model_chooses():
     assert model.NCCL_SLICE_BYTES == distributed.NCCL_SLICE_BYTES and model.SLICE_BYTES == distributed.SLICE_BYTES
     assert model.GPU_ASSUMED.slice_bytes == model.NCCL_SLICE_BYTES
     regrets = model.slice_regrets()
-    assert regrets[model.NCCL_SLICE_BYTES][0] == min(r for r, _ in regrets.values())
+    least = min(r for r, _ in regrets.values())
+    assert model.NCCL_SLICE_BYTES == min(cap for cap, (r, _) in regrets.items() if r <= least * (1 + 1e-9))
     assert regrets[model.NCCL_SLICE_BYTES][0] < 1.5
     assert regrets[model.SLICE_BYTES][0] > 10  # the CPU ring's slices, which one hop of host per slice cannot afford
 

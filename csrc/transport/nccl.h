@@ -85,14 +85,17 @@ class NcclTransport : public Transport {
   std::vector<cudaEvent_t> owned_;       // every event made, destroyed with the transport
 };
 
-// What one ring hop costs over NCCL, measured on a one-rank communicator that sends to itself (so
-// one GPU suffices): `issue_s`, the host's seconds to issue a hop as the ring does (events, a group
-// of one send and one receive, the reduce kernel), and `complete_s`, seconds per hop until the GPU
-// has run them all. With a small payload neither is wire time: they are the host cost and the
-// latency of a hop of the GPU ring (gradsync.model assumes them until measured).
+// What one ring hop costs over NCCL, on a one-rank communicator that sends to itself (so one GPU
+// suffices), each hop issued as ring_paired issues it (events, a group of one send and one receive,
+// the fp16 reduce kernel), for each payload size in turn, `repeats` times: `issue_s`, the host's
+// time per hop issuing `hops` of them back to back; `pipelined_s`, per hop until the GPU has run
+// them all (the longer of host and GPU per hop); `alone_s`, one hop issued and waited for (the
+// latency of a hop, the host's wait included). A send to itself needs no NCCL proxy, so these are
+// lower bounds of a hop between two GPUs.
 struct NcclHopCost {
-  double issue_s, complete_s;
+  double issue_s, pipelined_s, alone_s;
 };
-NcclHopCost measure_nccl_hop_cost(int device, int hops, int64_t bytes, int64_t timeout_ms);
+std::vector<NcclHopCost> measure_nccl_hop_cost(int device, int hops, const std::vector<int64_t>& sizes, int repeats,
+                                               int64_t timeout_ms);
 
 }  // namespace gradsync
