@@ -189,6 +189,30 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
     _C.set_cpu_isa("auto")
 
 
+@pytest.mark.parametrize("codec", ["fp16", "bf16"] + list(FP8))
+def test_large_fp32_results_at_any_alignment_match_the_scalar_path(codec):
+    # fp32 results this large leave through non-temporal stores, aligned or not
+    from gradsync import _C
+    if _C.cpu_isa() != "avx2":
+        pytest.skip("no AVX2 on this CPU")
+    n = 128 * 800 + 5
+    x = random_bits_floats(n)
+    x[::1001] = float("nan")
+    payload = gradsync.compress(x, codec)
+    buffer = torch.empty(n + 8)
+    for offset in range(8):
+        out = buffer[offset:offset + n]
+        results = []
+        for isa in ("scalar", "avx2"):
+            _C.set_cpu_isa(isa)
+            out.fill_(7.0)
+            gradsync.decompress(payload, codec, n, scale=0.75, out=out)
+            results.append(out.clone())
+        _C.set_cpu_isa("auto")
+        assert same_bits(*results), (codec, offset)
+        assert same_bits(results[1], gradsync.decompress(payload, codec, n).mul_(0.75)), (codec, offset)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 3000), codec=st.sampled_from(gradsync.CODECS), dtype=st.sampled_from(FLOAT_DTYPES),
        log_mag=st.floats(-30, 30), scale=st.sampled_from([1.0, 0.5, 1 / 7, 1024.0]), seed=st.integers(0, 2**31))

@@ -132,10 +132,32 @@ GS_AVX2 inline void store8(void* p, int64_t i, __m256 v) {
   }
 }
 
+// fp32 results of at least this many elements are written with non-temporal stores: a decoded
+// gradient is not read again before it has left the cache, and streaming it skips reading each
+// line before writing it (measured here: 1-to-4-byte expansion 0.57 -> 0.35 ns per element).
+constexpr int64_t kStreamMinElems = 1 << 14;
+
+GS_AVX2 inline bool streams_fp32(const void* dst, int64_t n) {
+  return n >= kStreamMinElems && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
+}
+
+// Elements before `dst + i` is 32-byte aligned (dst is 4-byte aligned).
+inline int64_t to_alignment(const void* dst) { return (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32 / 4; }
+
 template <DType S, DType D>
 GS_AVX2 void convert_avx2_t(const void* src, void* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
+  if constexpr (D == DType::kFloat32) {
+    if (streams_fp32(dst, n)) {
+      i = to_alignment(dst);
+      convert_scalar(src, S, dst, D, 0, i, scale);
+      for (; i + 8 <= n; i += 8) _mm256_stream_ps(static_cast<float*>(dst) + i, _mm256_mul_ps(load8<S>(src, i), s));
+      convert_scalar(src, S, dst, D, i, n, scale);
+      _mm_sfence();  // the streamed lines reach memory before anything this thread does next
+      return;
+    }
+  }
   for (; i + 8 <= n; i += 8) store8<D>(dst, i, _mm256_mul_ps(load8<S>(src, i), s));
   convert_scalar(src, S, dst, D, i, n, scale);
 }
@@ -341,6 +363,9 @@ struct ScalarIsa {
   static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
     convert_scalar(src, st, dst, dt, 0, n, scale);
   }
+  static bool streams(const void*, int64_t) { return false; }
+  static void stream_scaled(const float*, int64_t, float, float*) {}
+  static void fence() {}
   static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
     convert_scalar(src, st, out, DType::kFloat32, 0, n, scale);
     return absmax_finite_scalar(out, n);
@@ -369,6 +394,18 @@ struct Avx2Isa {
   GS_AVX2 static void convert(const void* src, DType st, void* dst, DType dt, int64_t n, float scale) {
     convert_avx2(src, st, dst, dt, n, scale);
   }
+  // whether fp32 results of n elements at dst go out through non-temporal stores (dst 32-byte aligned)
+  GS_AVX2 static bool streams(const void* dst, int64_t n) {
+    return n >= kStreamMinElems && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  }
+  // out = v * scale, streamed where whole vectors fit (out 32-byte aligned); fence() before others read
+  GS_AVX2 static void stream_scaled(const float* v, int64_t n, float scale, float* out) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), s));
+    convert_scalar(v, DType::kFloat32, out, DType::kFloat32, i, n, scale);
+  }
+  GS_AVX2 static void fence() { _mm_sfence(); }
   GS_AVX2 static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
     return convert_absmax_avx2(src, st, n, scale, out);
   }
@@ -436,6 +473,9 @@ template <Fp8Format F, class Isa>
 GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0,
                                       int64_t b1) {
   const uint8_t* scale_bytes = payload + fp8_scales_offset(n);
+  // blocks start at multiples of 128 elements, so all are aligned where the first one is
+  const bool stream = dt == DType::kFloat32 &&
+                      Isa::streams(static_cast<float*>(dst) + b0 * kFp8BlockSize, (b1 - b0) * kFp8BlockSize);
   alignas(32) float block[kFp8BlockSize];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
@@ -443,8 +483,13 @@ GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float s
     float decode_scale;
     std::memcpy(&decode_scale, scale_bytes + 4 * b, 4);
     Isa::template values<F>(payload + start, len, decode_scale, block);
-    Isa::convert(block, DType::kFloat32, static_cast<char*>(dst) + start * dtype_size(dt), dt, len, scale);
+    if (stream) {
+      Isa::stream_scaled(block, len, scale, static_cast<float*>(dst) + start);
+    } else {
+      Isa::convert(block, DType::kFloat32, static_cast<char*>(dst) + start * dtype_size(dt), dt, len, scale);
+    }
   }
+  if (stream) Isa::fence();
 }
 
 #ifdef GS_HAVE_X86
