@@ -144,15 +144,24 @@ GS_AVX2 inline bool streams_fp32(const void* dst, int64_t n) {
 // Elements before `dst + i` is 32-byte aligned (dst is 4-byte aligned).
 inline int64_t to_alignment(const void* dst) { return (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32 / 4; }
 
+// dst[i..] = src[i..] * scale through non-temporal stores, whole vectors from i (dst + i 32-byte
+// aligned); returns where the vectors stopped. The caller fences once it has written everything.
+template <DType S>
+GS_AVX2 inline int64_t stream_scaled_from(const void* src, float* dst, int64_t i, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_mul_ps(load8<S>(src, i), s));
+  return i;
+}
+
 template <DType S, DType D>
 GS_AVX2 void convert_avx2_t(const void* src, void* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
   if constexpr (D == DType::kFloat32) {
     if (streams_fp32(dst, n)) {
-      i = to_alignment(dst);
-      convert_scalar(src, S, dst, D, 0, i, scale);
-      for (; i + 8 <= n; i += 8) _mm256_stream_ps(static_cast<float*>(dst) + i, _mm256_mul_ps(load8<S>(src, i), s));
+      const int64_t head = to_alignment(dst);
+      convert_scalar(src, S, dst, D, 0, head, scale);
+      i = stream_scaled_from<S>(src, static_cast<float*>(dst), head, n, scale);
       convert_scalar(src, S, dst, D, i, n, scale);
       _mm_sfence();  // the streamed lines reach memory before anything this thread does next
       return;
@@ -400,9 +409,7 @@ struct Avx2Isa {
   }
   // out = v * scale, streamed where whole vectors fit (out 32-byte aligned); fence() before others read
   GS_AVX2 static void stream_scaled(const float* v, int64_t n, float scale, float* out) {
-    const __m256 s = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), s));
+    const int64_t i = stream_scaled_from<DType::kFloat32>(v, out, 0, n, scale);
     convert_scalar(v, DType::kFloat32, out, DType::kFloat32, i, n, scale);
   }
   GS_AVX2 static void fence() { _mm_sfence(); }

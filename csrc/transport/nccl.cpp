@@ -8,10 +8,6 @@
 
 namespace gradsync {
 namespace {
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("gradsync: ") + what + ": " + cudaGetErrorString(e));
-}
-
 // The pause between two polls. A non-blocking ncclGroupEnd hands every group to a fresh NCCL
 // thread (NCCL >= 2.23), which settles within microseconds, as does a short all-reduce: yield for
 // the first 2 ms, so that a hop pays no sleep, then sleep 100 us, so that a long wait leaves the

@@ -17,12 +17,18 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "ring/transport.h"
 
 namespace gradsync {
+
+// Throws, naming `what`, unless e is cudaSuccess.
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("gradsync: ") + what + ": " + cudaGetErrorString(e));
+}
 
 class NcclComm {
  public:

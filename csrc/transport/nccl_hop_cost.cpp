@@ -9,17 +9,13 @@
 
 namespace gradsync {
 namespace {
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("gradsync: ") + what + ": " + cudaGetErrorString(e));
-}
-
 struct DeviceBuffer {
   explicit DeviceBuffer(size_t bytes) {
-    check(cudaMalloc(&ptr, bytes), "cudaMalloc");
+    check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc");
     const cudaError_t e = cudaMemset(ptr, 0x3c, bytes);  // 0x3c3c: fp16 1.06, fp32 0.0115
     if (e != cudaSuccess) {
       cudaFree(ptr);
-      check(e, "cudaMemset");
+      check_cuda(e, "cudaMemset");
     }
   }
   ~DeviceBuffer() { cudaFree(ptr); }
@@ -27,13 +23,13 @@ struct DeviceBuffer {
 };
 
 struct Stream {
-  Stream() { check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  Stream() { check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); }
   ~Stream() { cudaStreamDestroy(stream); }
   cudaStream_t stream = nullptr;
 };
 
 struct DeviceRestorer {  // the caller's current device, as it was
-  DeviceRestorer() { check(cudaGetDevice(&device), "cudaGetDevice"); }
+  DeviceRestorer() { check_cuda(cudaGetDevice(&device), "cudaGetDevice"); }
   ~DeviceRestorer() { cudaSetDevice(device); }
   int device = 0;
 };
@@ -53,7 +49,7 @@ std::vector<NcclHopCost> measure_nccl_hop_cost(int device, int hops, const std::
     largest = std::max(largest, bytes);
   }
   const DeviceRestorer restorer;
-  check(cudaSetDevice(device), "cudaSetDevice");
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
   DeviceBuffer local(largest * 2), send(largest), recv(largest);  // fp16 payloads reduced into fp32
   Stream compute, wire;
   NcclComm comm(NcclComm::unique_id(), 0, 1, device, timeout_ms);
