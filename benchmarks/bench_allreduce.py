@@ -44,7 +44,18 @@ def gradient_like(numel, rank, device, seed=0):
     return x.to(device)
 
 
-def implementations(n, group):
+def with_feedback(codec, group):
+    """gradsync's all-reduce with error feedback: one fp32 residual per buffer size, kept across calls."""
+    residuals = {}
+
+    def run(x):
+        if x.numel() not in residuals:
+            residuals[x.numel()] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        gradsync.all_reduce(x, codec=codec, group=group, residual=residuals[x.numel()])
+    return run
+
+
+def implementations(n, group, feedback=False):
     def torch_fp32(x):
         dist.all_reduce(x, group=group)
         x.div_(n)
@@ -58,6 +69,8 @@ def implementations(n, group):
     for codec in gradsync.CODECS:
         wire = {"none": 4, "fp16": 2, "bf16": 2}.get(codec, 1 + 4 / 128)
         impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), wire)
+        if feedback and codec != "none":
+            impls[f"gradsync {codec}+ef"] = (with_feedback(codec, group), wire)
     return impls
 
 
@@ -116,7 +129,7 @@ def bench(args, device):
         x = torch.empty_like(original)
         iters = max(3, min(args.max_iters, int(args.budget_bytes // max(size, 1))))
         base_ms = None
-        for name, (fn, wire_per_elem) in implementations(n, None).items():
+        for name, (fn, wire_per_elem) in implementations(n, None, args.feedback).items():
             if args.impls and not any(s in name for s in args.impls):
                 continue
             x.copy_(original)
@@ -167,6 +180,8 @@ def main():
                         help="small messages are latency-bound and their times scatter (a rank waits for a core "
                              "now and then): the median of fewer than ~200 moves by +-30 %% between runs")
     parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
+    parser.add_argument("--feedback", action="store_true",
+                        help="also time every compressing codec with error feedback (+ef: a residual kept across calls)")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table at n = 2, 4, 8 instead")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     parser.add_argument("--plot", help="write a PNG of busbw vs size here (rank 0)")

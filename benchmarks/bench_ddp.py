@@ -137,7 +137,7 @@ def main():
             if mode == "DDP default (fp32)":
                 samples["compute only (no_sync)"] += [timed(lambda: step(model, sync=False))
                                                       for _ in range(max(1, args.steps // passes))]
-            del model
+            model = None  # one model in memory at a time
         samples["communication only (gradsync fp16)"] += [timed(communicate) for _ in range(max(1, args.steps // passes))]
     medians = {mode: statistics.median(s) for mode, s in samples.items()}
     rows = []

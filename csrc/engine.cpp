@@ -181,19 +181,8 @@ uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, const at::Devi
   return buffer.data_ptr<uint8_t>();
 }
 
-void RingEngine::set_error_feedback(RingKernels& kernels, const Job& job, const RingPlan& plan) {
-  const at::Tensor& residual = job.options.residual;
-  if (!residual.defined()) return;
-  const int64_t stride = plan.max_slice_len();
-  static_cast<CodecRingKernels&>(kernels).set_error_feedback(residual.data_ptr<float>(),
-                                                             scratch(2 * stride, job.tensor.device()), stride);
-}
-
-float* RingEngine::scratch(int64_t floats, const at::Device& device) {
-  if (!scratch_.defined() || scratch_.numel() < floats || scratch_.device() != device) {
-    scratch_ = at::empty({std::max<int64_t>(floats, 1)}, at::TensorOptions().dtype(at::kFloat).device(device));
-  }
-  return scratch_.data_ptr<float>();
+void RingEngine::set_error_feedback(CodecRingKernels& kernels, const Job& job) {
+  if (job.options.residual.defined()) kernels.set_error_feedback(job.options.residual.data_ptr<float>());
 }
 
 void RingEngine::execute(Job& job) {
@@ -218,7 +207,7 @@ void RingEngine::execute(Job& job) {
     const RingCall call = ring_call(t, o, slice_elems);
     check_ring_call(transport_, call, tag_base + ring_tag_span(plan));
   }
-  std::unique_ptr<RingKernels> kernels;
+  std::unique_ptr<CodecRingKernels> kernels;
   const bool pinned = t.is_cuda();
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStreamGuard> guard;
@@ -236,7 +225,7 @@ void RingEngine::execute(Job& job) {
     kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                                                static_cast<float>(o.postscale));
   }
-  set_error_feedback(*kernels, job, plan);
+  set_error_feedback(*kernels, job);
   std::vector<int64_t> offsets;
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
   uint8_t* recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
@@ -286,7 +275,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   }
   CudaRingKernels kernels(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
                           static_cast<float>(o.postscale), compute_stream_, /*synchronize=*/false);
-  set_error_feedback(kernels, job, plan);
+  set_error_feedback(kernels, job);
   std::vector<int64_t> offsets;
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
   uint8_t* recv_image = workspace(recv_image_, image_bytes, t.device(), false);

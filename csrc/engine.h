@@ -79,9 +79,8 @@ class RingEngine {
   void run();
   void execute(Job& job);
   void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
-  void set_error_feedback(RingKernels& kernels, const Job& job, const RingPlan& plan);
+  static void set_error_feedback(CodecRingKernels& kernels, const Job& job);
   uint8_t* workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned);
-  float* scratch(int64_t floats, const at::Device& device);
 
   ProcessGroupTransport transport_;
   std::mutex mutex_;
@@ -90,7 +89,7 @@ class RingEngine {
   bool stopping_ = false;
   std::string broken_;  // set once a transport failure left messages in flight
   uint32_t sequence_ = 0;
-  at::Tensor recv_image_, send_image_, scratch_;
+  at::Tensor recv_image_, send_image_;
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<NcclComm> nccl_;
   cudaStream_t compute_stream_ = nullptr, wire_stream_ = nullptr;

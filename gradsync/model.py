@@ -336,7 +336,7 @@ def slice_regrets(kernels=GPU_ASSUMED, hops=(15e-6, 40e-6, 80e-6), codecs=("none
     each case, at worst, over the projected topologies, buckets of 1 MB to 1 GB, `codecs` and host costs
     per hop `hops` (the assumed one and 2x either side): {cap: (ratio, (hop, n, link, MB, codec))}.
     The smallest cap with the least worst ratio is gradsync.distributed.NCCL_SLICE_BYTES (larger ones
-    tie or lose, and keep larger error-feedback scratch)."""
+    tie or lose, and pipeline less)."""
     worst = {cap: (1.0, None) for cap in SLICE_CAPS}
     for hop in hops:
         ks = replace(kernels, hop=hop)

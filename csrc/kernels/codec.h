@@ -42,9 +42,14 @@ void reduce_cast_cpu(const void* in, DType wire, const void* local, DType local_
 void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
                            float prescale, uint8_t* out);
 
-// Error feedback's residual: residual[i] = sum[i] - decoded[i], or 0 where that is not finite (an
-// overflowed step must not poison the steps after it).
-void feedback_residual_cpu(const float* sum, const float* decoded, int64_t n, float* residual);
+// The same two kernels with error feedback, fused: sum = decode(in) + local * prescale + residual,
+// each addition as in the kernels above (with in == nullptr: sum = local * prescale + residual);
+// out = encode(sum); residual = sum - decode(out), or 0 where that is not finite (an overflowed
+// step must not poison the steps after it).
+void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                              float prescale, float* residual, void* out);
+void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                    int64_t n, float prescale, float* residual, uint8_t* out);
 
 // Contiguous scale-and-cast: dst[i] = cast<dst_dtype>(float(src[i]) * scale).
 void convert_cpu(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale);
@@ -64,12 +69,15 @@ cudaError_t fp8_decode_cuda(Fp8Format format, const uint8_t* payload, int64_t n,
                             DType dst_dtype, cudaStream_t stream);
 cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
                          cudaStream_t stream);
-cudaError_t feedback_residual_cuda(const float* sum, const float* decoded, int64_t n, float* residual,
-                                   cudaStream_t stream);
 cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
                              float prescale, void* out, cudaStream_t stream);
 cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
                                    int64_t n, float prescale, uint8_t* out, cudaStream_t stream);
+cudaError_t reduce_cast_feedback_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                                      float prescale, float* residual, void* out, cudaStream_t stream);
+cudaError_t fp8_reduce_encode_feedback_cuda(Fp8Format format, const uint8_t* in, const void* local,
+                                            DType local_dtype, int64_t n, float prescale, float* residual,
+                                            uint8_t* out, cudaStream_t stream);
 #endif
 
 }  // namespace gradsync

@@ -56,6 +56,21 @@ void reduce_cast_scalar(const void* in, DType wt, const void* local, DType lt, i
   for (int64_t i = begin; i < end; ++i) store_float(out, wt, i, hop_sum(load_float(in, wt, i), load_float(local, lt, i) * prescale));
 }
 
+// The summand of error feedback: [decode(in) +] local * prescale + residual.
+inline float feedback_sum(float decoded, bool has_in, float mine, float residual) {
+  return hop_sum(has_in ? hop_sum(decoded, mine) : mine, residual);
+}
+
+void reduce_cast_feedback_scalar(const void* in, DType wt, const void* local, DType lt, int64_t begin, int64_t end,
+                                 float prescale, float* residual, void* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float sum = feedback_sum(in ? load_float(in, wt, i) : 0.0f, in != nullptr,
+                                   load_float(local, lt, i) * prescale, residual[i]);
+    store_float(out, wt, i, sum);
+    residual[i] = feedback_residual(sum, load_float(out, wt, i));
+  }
+}
+
 template <Fp8Format F>
 struct Fp8DecodeTable {
   float value[256];
@@ -216,6 +231,53 @@ GS_AVX2 void reduce_cast_avx2(const void* in, DType wt, const void* local, DType
   }
 }
 
+// Eight lanes of feedback_residual (numerics.h).
+GS_AVX2 inline __m256 feedback_residual8(__m256 sum, __m256 decoded) {
+  const __m256 r = _mm256_sub_ps(sum, decoded);
+  const __m256 a = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))), r);
+  return _mm256_and_ps(r, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+}
+
+template <DType W, DType L, bool kIn>
+GS_AVX2 void reduce_cast_feedback_avx2_t(const void* in, const void* local, int64_t n, float prescale, float* residual,
+                                         void* out) {
+  const __m256 s = _mm256_set1_ps(prescale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
+    const __m256 sum = hop_sum8(kIn ? hop_sum8(load8<W>(in, i), mine) : mine, _mm256_loadu_ps(residual + i));
+    store8<W>(out, i, sum);
+    _mm256_storeu_ps(residual + i, feedback_residual8(sum, load8<W>(out, i)));
+  }
+  reduce_cast_feedback_scalar(in, W, local, L, i, n, prescale, residual, out);
+}
+
+template <DType W, DType L>
+GS_AVX2 void reduce_cast_feedback_avx2_local(const void* in, const void* local, int64_t n, float prescale,
+                                             float* residual, void* out) {
+  if (in) return reduce_cast_feedback_avx2_t<W, L, true>(in, local, n, prescale, residual, out);
+  reduce_cast_feedback_avx2_t<W, L, false>(in, local, n, prescale, residual, out);
+}
+
+template <DType W>
+GS_AVX2 void reduce_cast_feedback_avx2_wire(const void* in, const void* local, DType lt, int64_t n, float prescale,
+                                            float* residual, void* out) {
+  switch (lt) {
+    case DType::kFloat32: return reduce_cast_feedback_avx2_local<W, DType::kFloat32>(in, local, n, prescale, residual, out);
+    case DType::kFloat16: return reduce_cast_feedback_avx2_local<W, DType::kFloat16>(in, local, n, prescale, residual, out);
+    default: return reduce_cast_feedback_avx2_local<W, DType::kBFloat16>(in, local, n, prescale, residual, out);
+  }
+}
+
+GS_AVX2 void reduce_cast_feedback_avx2(const void* in, DType wt, const void* local, DType lt, int64_t n,
+                                       float prescale, float* residual, void* out) {
+  switch (wt) {
+    case DType::kFloat32: return reduce_cast_feedback_avx2_wire<DType::kFloat32>(in, local, lt, n, prescale, residual, out);
+    case DType::kFloat16: return reduce_cast_feedback_avx2_wire<DType::kFloat16>(in, local, lt, n, prescale, residual, out);
+    default: return reduce_cast_feedback_avx2_wire<DType::kBFloat16>(in, local, lt, n, prescale, residual, out);
+  }
+}
+
 // Eight lanes of float_to_fp8<F> (numerics.h), branch-free, as eight bytes. The FPU rounds: adding
 // and subtracting C = 2^(e + 23 - M), e the lane's exponent (at least the format's smallest normal
 // one), rounds |v| to nearest-even on the format's grid. The rounded value times 2^(bias - 15) is
@@ -362,6 +424,58 @@ GS_AVX2 inline float fp8_decode_add_avx2(const uint8_t* codes, float decode_scal
     default: return fp8_decode_add_avx2_t<F, DType::kBFloat16>(codes, decode_scale, local, prescale, n, out);
   }
 }
+// One block of error feedback's summand into out, returning its finite absmax; codes == nullptr:
+// no incoming payload.
+template <Fp8Format F, DType L, bool kIn>
+GS_AVX2 inline float fp8_feedback_sum_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
+                                             float prescale, const float* residual, int64_t n, float* out) {
+  const __m256 d = _mm256_set1_ps(decode_scale);
+  const __m256 s = _mm256_set1_ps(prescale);
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
+    const __m256 v = hop_sum8(kIn ? hop_sum8(fp8_values8<F>(codes + i, d), mine) : mine, _mm256_loadu_ps(residual + i));
+    _mm256_storeu_ps(out + i, v);
+    m = max_finite_abs(m, v);
+  }
+  for (int64_t j = i; j < n; ++j) {
+    out[j] = feedback_sum(kIn ? fp8_to_float<F>(codes[j]) * decode_scale : 0.0f, kIn, load_float(local, L, j) * prescale,
+                          residual[j]);
+  }
+  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+}
+
+template <Fp8Format F, DType L>
+GS_AVX2 inline float fp8_feedback_sum_avx2_local(const uint8_t* codes, float decode_scale, const void* local,
+                                                 float prescale, const float* residual, int64_t n, float* out) {
+  if (codes) return fp8_feedback_sum_avx2_t<F, L, true>(codes, decode_scale, local, prescale, residual, n, out);
+  return fp8_feedback_sum_avx2_t<F, L, false>(codes, decode_scale, local, prescale, residual, n, out);
+}
+
+template <Fp8Format F>
+GS_AVX2 inline float fp8_feedback_sum_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+                                           float prescale, const float* residual, int64_t n, float* out) {
+  switch (lt) {
+    case DType::kFloat32:
+      return fp8_feedback_sum_avx2_local<F, DType::kFloat32>(codes, decode_scale, local, prescale, residual, n, out);
+    case DType::kFloat16:
+      return fp8_feedback_sum_avx2_local<F, DType::kFloat16>(codes, decode_scale, local, prescale, residual, n, out);
+    default:
+      return fp8_feedback_sum_avx2_local<F, DType::kBFloat16>(codes, decode_scale, local, prescale, residual, n, out);
+  }
+}
+
+template <Fp8Format F>
+GS_AVX2 inline void fp8_feedback_residual_avx2(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
+                                               float* residual) {
+  const __m256 d = _mm256_set1_ps(decode_scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(residual + i, feedback_residual8(_mm256_loadu_ps(sum + i), fp8_values8<F>(codes + i, d)));
+  }
+  for (; i < n; ++i) residual[i] = feedback_residual(sum[i], fp8_to_float<F>(codes[i]) * decode_scale);
+}
 #endif  // GS_HAVE_X86
 
 // The per-block loops, written once over an instruction-set policy and compiled whole for each
@@ -387,6 +501,20 @@ struct ScalarIsa {
     fp8_values_scalar<F>(codes, n, decode_scale, out);
     for (int64_t i = 0; i < n; ++i) out[i] = hop_sum(out[i], mine[i]);
     return absmax_finite_scalar(out, n);
+  }
+  template <Fp8Format F>
+  static float feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
+                            const float* residual, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = gradsync::feedback_sum(codes ? fp8_to_float<F>(codes[i]) * decode_scale : 0.0f, codes != nullptr,
+                                      load_float(local, lt, i) * prescale, residual[i]);
+    }
+    return absmax_finite_scalar(out, n);
+  }
+  template <Fp8Format F>
+  static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
+                                float* residual) {
+    for (int64_t i = 0; i < n; ++i) residual[i] = gradsync::feedback_residual(sum[i], fp8_to_float<F>(codes[i]) * decode_scale);
   }
   template <Fp8Format F>
   static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
@@ -420,6 +548,16 @@ struct Avx2Isa {
   GS_AVX2 static float decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                   float prescale, int64_t n, float* out) {
     return fp8_decode_add_avx2<F>(codes, decode_scale, local, lt, prescale, n, out);
+  }
+  template <Fp8Format F>
+  GS_AVX2 static float feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+                                    float prescale, const float* residual, int64_t n, float* out) {
+    return fp8_feedback_sum_avx2<F>(codes, decode_scale, local, lt, prescale, residual, n, out);
+  }
+  template <Fp8Format F>
+  GS_AVX2 static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
+                                        float* residual) {
+    fp8_feedback_residual_avx2<F>(codes, decode_scale, sum, n, residual);
   }
   template <Fp8Format F>
   GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
@@ -477,6 +615,26 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* loca
 }
 
 template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_reduce_encode_feedback_loop(const uint8_t* in, const void* local, DType lt, int64_t n,
+                                                      float prescale, float* residual, uint8_t* out) {
+  uint8_t* out_scales = out + fp8_scales_offset(n);
+  alignas(32) float block[kFp8BlockSize];
+  for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
+    const int64_t start = b * kFp8BlockSize;
+    const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    float in_scale = 0.0f, out_scale;
+    if (in) std::memcpy(&in_scale, in + fp8_scales_offset(n) + 4 * b, 4);
+    const float absmax = Isa::template feedback_sum<F>(in ? in + start : nullptr, in_scale,
+                                                       static_cast<const char*>(local) + start * dtype_size(lt), lt,
+                                                       prescale, residual + start, len, block);
+    fp8_encode_block<F, Isa>(block, len, absmax, out + start, out_scales + 4 * b);
+    std::memcpy(&out_scale, out_scales + 4 * b, 4);
+    Isa::template feedback_residual<F>(out + start, out_scale, block, len, residual + start);
+  }
+  std::memset(out + n, 0, fp8_scales_offset(n) - n);
+}
+
+template <Fp8Format F, class Isa>
 GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0,
                                       int64_t b1) {
   const uint8_t* scale_bytes = payload + fp8_scales_offset(n);
@@ -516,6 +674,9 @@ GS_ISA_ENTRY(fp8_encode, (const void* src, DType st, int64_t n, float scale, uin
              (src, st, n, scale, payload, b0, b1))
 GS_ISA_ENTRY(fp8_reduce_encode, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out),
              (in, local, lt, n, prescale, out))
+GS_ISA_ENTRY(fp8_reduce_encode_feedback, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                                          float* residual, uint8_t* out),
+             (in, local, lt, n, prescale, residual, out))
 GS_ISA_ENTRY(fp8_decode, (const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1),
              (payload, n, scale, dst, dt, b0, b1))
 
@@ -527,6 +688,12 @@ void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_
 template <Fp8Format F>
 void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out) {
   GS_DISPATCH(fp8_reduce_encode, in, local, lt, n, prescale, out);
+}
+
+template <Fp8Format F>
+void fp8_reduce_encode_feedback_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                                       float* residual, uint8_t* out) {
+  GS_DISPATCH(fp8_reduce_encode_feedback, in, local, lt, n, prescale, residual, out);
 }
 
 template <Fp8Format F>
@@ -575,10 +742,20 @@ void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* loca
   else fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out);
 }
 
-void feedback_residual_cpu(const float* sum, const float* decoded, int64_t n, float* residual) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float r = sum[i] - decoded[i];
-    residual[i] = std::isfinite(r) ? r : 0.0f;
+void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                              float prescale, float* residual, void* out) {
+#ifdef GS_HAVE_X86
+  if (use_avx2()) return reduce_cast_feedback_avx2(in, wire, local, local_dtype, n, prescale, residual, out);
+#endif
+  reduce_cast_feedback_scalar(in, wire, local, local_dtype, 0, n, prescale, residual, out);
+}
+
+void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                    int64_t n, float prescale, float* residual, uint8_t* out) {
+  if (format == Fp8Format::kE4M3) {
+    fp8_reduce_encode_feedback_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, residual, out);
+  } else {
+    fp8_reduce_encode_feedback_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, residual, out);
   }
 }
 

@@ -11,9 +11,27 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPerLane = kFp8BlockSize / 32;
 
-// One warp encodes block b from the kPerLane values each lane holds (element b*128 + j*32 + lane).
+// This thread's lane, its warp's index in the grid and the grid's number of warps.
+struct WarpSlot {
+  int lane;
+  int64_t warp, num_warps;
+};
+
+__device__ __forceinline__ WarpSlot warp_slot() {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  return {static_cast<int>(threadIdx.x & 31), thread >> 5, (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5};
+}
+
+// The bytes between the codes and the scales of a payload of n elements are zero.
+__device__ __forceinline__ void zero_padding(uint8_t* payload, int64_t n) {
+  const int64_t pad = fp8_scales_offset(n) - n;
+  if (blockIdx.x == 0 && threadIdx.x < pad) payload[n + threadIdx.x] = 0;
+}
+
+// One warp encodes block b from the kPerLane values each lane holds (element b*128 + j*32 + lane);
+// returns the block's decode scale.
 template <Fp8Format F>
-__device__ __forceinline__ void encode_block_warp(const float (&v)[kPerLane], int64_t b, int64_t n, int lane,
+__device__ __forceinline__ float encode_block_warp(const float (&v)[kPerLane], int64_t b, int64_t n, int lane,
                                                   uint8_t* codes, float* scales) {
   float absmax = 0.0f;
 #pragma unroll
@@ -32,51 +50,74 @@ __device__ __forceinline__ void encode_block_warp(const float (&v)[kPerLane], in
     if (i < n) codes[i] = float_to_fp8<F>(v[j] * mul, max_code);
   }
   if (lane == 0) scales[b] = pow2(-k);
+  return pow2(-k);
 }
 
 template <Fp8Format F, DType S>
 __global__ void __launch_bounds__(kThreads) fp8_encode_kernel(const void* src, int64_t n, float scale,
                                                               uint8_t* payload) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  const int64_t num_blocks = fp8_num_blocks(n);
+  const WarpSlot w = warp_slot();
   float* scales = reinterpret_cast<float*>(payload + fp8_scales_offset(n));
-  for (int64_t b = warp; b < num_blocks; b += num_warps) {
+  for (int64_t b = w.warp; b < fp8_num_blocks(n); b += w.num_warps) {
     float v[kPerLane];
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
-      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      const int64_t i = b * kFp8BlockSize + j * 32 + w.lane;
       v[j] = i < n ? load_one<S>(src, i) * scale : 0.0f;
     }
-    encode_block_warp<F>(v, b, n, lane, payload, scales);
+    encode_block_warp<F>(v, b, n, w.lane, payload, scales);
   }
-  const int64_t pad = fp8_scales_offset(n) - n;
-  if (blockIdx.x == 0 && threadIdx.x < pad) payload[n + threadIdx.x] = 0;
+  zero_padding(payload, n);
 }
 
 // out = encode(decode(in) + local * prescale), one warp per block (the ring's per-hop kernel).
 template <Fp8Format F, DType L>
 __global__ void __launch_bounds__(kThreads) fp8_reduce_encode_kernel(const uint8_t* in, const void* local, int64_t n,
                                                                      float prescale, uint8_t* out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  const int64_t num_blocks = fp8_num_blocks(n);
+  const WarpSlot w = warp_slot();
   const float* in_scales = reinterpret_cast<const float*>(in + fp8_scales_offset(n));
   float* out_scales = reinterpret_cast<float*>(out + fp8_scales_offset(n));
-  for (int64_t b = warp; b < num_blocks; b += num_warps) {
+  for (int64_t b = w.warp; b < fp8_num_blocks(n); b += w.num_warps) {
     const float in_scale = in_scales[b];
     float v[kPerLane];
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
-      const int64_t i = b * kFp8BlockSize + j * 32 + lane;
+      const int64_t i = b * kFp8BlockSize + j * 32 + w.lane;
       v[j] = i < n ? hop_sum(fp8_to_float<F>(in[i]) * in_scale, load_one<L>(local, i) * prescale) : 0.0f;
     }
-    encode_block_warp<F>(v, b, n, lane, out, out_scales);
+    encode_block_warp<F>(v, b, n, w.lane, out, out_scales);
   }
-  const int64_t pad = fp8_scales_offset(n) - n;
-  if (blockIdx.x == 0 && threadIdx.x < pad) out[n + threadIdx.x] = 0;
+  zero_padding(out, n);
+}
+
+// fp8_reduce_encode_kernel with error feedback (codec.h); in == nullptr when kIn is false.
+template <Fp8Format F, DType L, bool kIn>
+__global__ void __launch_bounds__(kThreads) fp8_reduce_encode_feedback_kernel(const uint8_t* in, const void* local,
+                                                                              int64_t n, float prescale,
+                                                                              float* residual, uint8_t* out) {
+  const WarpSlot w = warp_slot();
+  float* out_scales = reinterpret_cast<float*>(out + fp8_scales_offset(n));
+  for (int64_t b = w.warp; b < fp8_num_blocks(n); b += w.num_warps) {
+    const float in_scale = kIn ? reinterpret_cast<const float*>(in + fp8_scales_offset(n))[b] : 0.0f;
+    float v[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t i = b * kFp8BlockSize + j * 32 + w.lane;
+      if (i < n) {
+        const float mine = load_one<L>(local, i) * prescale;
+        v[j] = hop_sum(kIn ? hop_sum(fp8_to_float<F>(in[i]) * in_scale, mine) : mine, residual[i]);
+      } else {
+        v[j] = 0.0f;
+      }
+    }
+    const float out_scale = encode_block_warp<F>(v, b, n, w.lane, out, out_scales);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {  // each lane reads back the codes it wrote
+      const int64_t i = b * kFp8BlockSize + j * 32 + w.lane;
+      if (i < n) residual[i] = feedback_residual(v[j], fp8_to_float<F>(out[i]) * out_scale);
+    }
+  }
+  zero_padding(out, n);
 }
 
 template <Fp8Format F, DType D>
@@ -128,7 +169,38 @@ cudaError_t reduce_encode(const uint8_t* in, const void* local, DType lt, int64_
   return cudaGetLastError();
 }
 
+template <Fp8Format F, DType L>
+void reduce_encode_feedback_local(const uint8_t* in, const void* local, int64_t n, float prescale, float* residual,
+                                  uint8_t* out, cudaStream_t stream) {
+  const unsigned grid = grid_for(fp8_num_blocks(n), kThreads / 32);
+  if (in) {
+    fp8_reduce_encode_feedback_kernel<F, L, true><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, residual, out);
+  } else {
+    fp8_reduce_encode_feedback_kernel<F, L, false><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, residual, out);
+  }
+}
+
+template <Fp8Format F>
+cudaError_t reduce_encode_feedback(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                                   float* residual, uint8_t* out, cudaStream_t stream) {
+  switch (lt) {
+    case DType::kFloat32: reduce_encode_feedback_local<F, DType::kFloat32>(in, local, n, prescale, residual, out, stream); break;
+    case DType::kFloat16: reduce_encode_feedback_local<F, DType::kFloat16>(in, local, n, prescale, residual, out, stream); break;
+    default: reduce_encode_feedback_local<F, DType::kBFloat16>(in, local, n, prescale, residual, out, stream); break;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t fp8_reduce_encode_feedback_cuda(Fp8Format format, const uint8_t* in, const void* local,
+                                            DType local_dtype, int64_t n, float prescale, float* residual,
+                                            uint8_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return format == Fp8Format::kE4M3
+             ? reduce_encode_feedback<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, residual, out, stream)
+             : reduce_encode_feedback<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, residual, out, stream);
+}
 
 cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
                                    int64_t n, float prescale, uint8_t* out, cudaStream_t stream) {

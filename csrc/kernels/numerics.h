@@ -41,7 +41,6 @@ GS_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// 2^k as a float, exact for -126 <= k <= 127.
 // A ring hop's sum, decoded + mine, with one NaN for every NaN: which operand's NaN an addition
 // returns is up to the instruction set (and the compiler's operand order), and on GPUs it is always
 // a canonical one, so the sum's NaN is fixed here for every twin to encode the same bits.
@@ -50,9 +49,17 @@ GS_HD float hop_sum(float decoded, float mine) {
   return s != s ? bits_float(0x7fc00000u) : s;
 }
 
+// 2^k as a float, exact for -126 <= k <= 127.
 GS_HD float pow2(int k) { return bits_float(static_cast<uint32_t>(127 + k) << 23); }
 
 GS_HD bool is_finite_bits(uint32_t abs_bits) { return abs_bits < 0x7f800000u; }
+
+// Error feedback's residual of one element: what encoding `sum` lost, or 0 where that is not
+// finite (an overflowed step must not poison the steps after it).
+GS_HD float feedback_residual(float sum, float decoded) {
+  const float r = sum - decoded;
+  return is_finite_bits(float_bits(r) & 0x7fffffffu) ? r : 0.0f;
+}
 
 // Rounds a finite, non-negative float (given as bits) to a binary format with E exponent bits and
 // M mantissa bits (IEEE-style bias, subnormals, no sign) and returns its code. The code may exceed

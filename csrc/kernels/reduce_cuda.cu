@@ -1,5 +1,5 @@
-// Element-wise kernels of the ring for the cast codecs, twins of convert_cpu and reduce_cast_cpu:
-// out = cast(src * scale) and out = cast<wire>(in + local * prescale), in fp32.
+// Element-wise kernels of the ring for the cast codecs, twins of convert_cpu, reduce_cast_cpu and
+// reduce_cast_feedback_cpu: out = cast(src * scale) and out = cast<wire>(in + local * prescale), in fp32.
 #include <algorithm>
 
 #include "codec.h"
@@ -27,12 +27,16 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const void* src, void
   }
 }
 
-__global__ void __launch_bounds__(kThreads) feedback_residual_kernel(const float* sum, const float* decoded, int64_t n,
-                                                                     float* residual) {
+// reduce_cast_kernel with error feedback (codec.h); in == nullptr when kIn is false.
+template <DType W, DType L, bool kIn>
+__global__ void __launch_bounds__(kThreads) reduce_cast_feedback_kernel(const void* in, const void* local, int64_t n,
+                                                                        float prescale, float* residual, void* out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float r = sum[i] - decoded[i];
-    residual[i] = isfinite(r) ? r : 0.0f;
+    const float mine = load_one<L>(local, i) * prescale;
+    const float sum = hop_sum(kIn ? hop_sum(load_one<W>(in, i), mine) : mine, residual[i]);
+    store_one<W>(out, i, sum);
+    residual[i] = feedback_residual(sum, load_one<W>(out, i));
   }
 }
 
@@ -61,6 +65,24 @@ void launch(const void* in, const void* local, DType lt, int64_t n, float presca
   }
 }
 
+template <DType W, DType L>
+void launch_feedback_local(const void* in, const void* local, int64_t n, float prescale, float* residual, void* out,
+                           cudaStream_t stream) {
+  const unsigned grid = grid_for(n);
+  if (in) reduce_cast_feedback_kernel<W, L, true><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, residual, out);
+  else reduce_cast_feedback_kernel<W, L, false><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, residual, out);
+}
+
+template <DType W>
+void launch_feedback(const void* in, const void* local, DType lt, int64_t n, float prescale, float* residual, void* out,
+                     cudaStream_t stream) {
+  switch (lt) {
+    case DType::kFloat32: launch_feedback_local<W, DType::kFloat32>(in, local, n, prescale, residual, out, stream); break;
+    case DType::kFloat16: launch_feedback_local<W, DType::kFloat16>(in, local, n, prescale, residual, out, stream); break;
+    default: launch_feedback_local<W, DType::kBFloat16>(in, local, n, prescale, residual, out, stream); break;
+  }
+}
+
 }  // namespace
 
 cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
@@ -74,13 +96,6 @@ cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_
   return cudaGetLastError();
 }
 
-cudaError_t feedback_residual_cuda(const float* sum, const float* decoded, int64_t n, float* residual,
-                                   cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  feedback_residual_kernel<<<grid_for(n), kThreads, 0, stream>>>(sum, decoded, n, residual);
-  return cudaGetLastError();
-}
-
 cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
                              float prescale, void* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
@@ -88,6 +103,17 @@ cudaError_t reduce_cast_cuda(const void* in, DType wire, const void* local, DTyp
     case DType::kFloat32: launch<DType::kFloat32>(in, local, local_dtype, n, prescale, out, stream); break;
     case DType::kFloat16: launch<DType::kFloat16>(in, local, local_dtype, n, prescale, out, stream); break;
     default: launch<DType::kBFloat16>(in, local, local_dtype, n, prescale, out, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_cast_feedback_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                                      float prescale, float* residual, void* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (wire) {
+    case DType::kFloat32: launch_feedback<DType::kFloat32>(in, local, local_dtype, n, prescale, residual, out, stream); break;
+    case DType::kFloat16: launch_feedback<DType::kFloat16>(in, local, local_dtype, n, prescale, residual, out, stream); break;
+    default: launch_feedback<DType::kBFloat16>(in, local, local_dtype, n, prescale, residual, out, stream); break;
   }
   return cudaGetLastError();
 }

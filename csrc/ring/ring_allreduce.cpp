@@ -22,49 +22,8 @@ int64_t CodecRingKernels::payload_bytes(int64_t n) const {
   return fp8() ? fp8_payload_bytes(n) : n * dtype_size(wire_);
 }
 
-void CodecRingKernels::feedback_encode(const void* in, int64_t begin, int64_t n, void* out) {
-  float* sum = scratch_;
-  float* lost = scratch_ + scratch_stride_;
-  float* carried = residual_ + begin;
-  auto decode_f32 = [&](const void* payload, float* dst) {
-    if (fp8()) fp8_decode_f32(payload, n, dst);
-    else cast(payload, wire_, dst, DType::kFloat32, n, 1.0f);
-  };
-  if (in) {  // sum = decode(in) + local * prescale, as in the fused kernels
-    decode_f32(in, lost);
-    add(lost, local_at(begin), dtype_, n, prescale_, sum);
-  } else {
-    cast(local_at(begin), dtype_, sum, DType::kFloat32, n, prescale_);
-  }
-  add(sum, carried, DType::kFloat32, n, 1.0f, sum);
-  if (fp8()) fp8_encode_f32(sum, n, out);
-  else cast(sum, DType::kFloat32, out, wire_, n, 1.0f);
-  decode_f32(out, lost);
-  residual(sum, lost, n, carried);
-}
-
-void CpuRingKernels::cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale) {
-  convert_cpu(src, src_dtype, dst, dst_dtype, n, scale);
-}
-
-void CpuRingKernels::add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) {
-  reduce_cast_cpu(a, DType::kFloat32, b, b_dtype, n, b_scale, out);
-}
-
-void CpuRingKernels::fp8_encode_f32(const float* src, int64_t n, void* out) {
-  fp8_encode_cpu(fp8_format(), src, DType::kFloat32, n, 1.0f, static_cast<uint8_t*>(out), 0, fp8_num_blocks(n));
-}
-
-void CpuRingKernels::fp8_decode_f32(const void* in, int64_t n, float* dst) {
-  fp8_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), n, 1.0f, dst, DType::kFloat32, 0, fp8_num_blocks(n));
-}
-
-void CpuRingKernels::residual(const float* sum, const float* decoded, int64_t n, float* out) {
-  feedback_residual_cpu(sum, decoded, n, out);
-}
-
 void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
-  if (residual_) return feedback_encode(nullptr, begin, n, out);
+  if (residual_) return reduce_encode_feedback(nullptr, begin, n, out);
   if (fp8()) {
     fp8_encode_cpu(fp8_format(), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
                    fp8_num_blocks(n));
@@ -73,8 +32,17 @@ void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
   }
 }
 
+void CpuRingKernels::reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out) {
+  if (fp8()) {
+    fp8_reduce_encode_feedback_cpu(fp8_format(), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n,
+                                   prescale_, residual_ + begin, static_cast<uint8_t*>(out));
+  } else {
+    reduce_cast_feedback_cpu(in, wire_, local_at(begin), dtype_, n, prescale_, residual_ + begin, out);
+  }
+}
+
 void CpuRingKernels::reduce_encode(const void* in, int64_t begin, int64_t n, void* out) {
-  if (residual_) return feedback_encode(in, begin, n, out);
+  if (residual_) return reduce_encode_feedback(in, begin, n, out);
   if (fp8()) {
     fp8_reduce_encode_cpu(fp8_format(), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n, prescale_,
                           static_cast<uint8_t*>(out));

@@ -37,27 +37,14 @@ class CodecRingKernels : public RingKernels {
   CodecRingKernels(Codec codec, const void* local, void* result, DType dtype, float prescale, float postscale);
   int64_t payload_bytes(int64_t n) const override;
 
-  // Error feedback: `residual` (fp32, one per element of the buffer) is added to this rank's
-  // contribution before it is encoded and then overwritten with what that encoding lost. Each rank
-  // encodes every element exactly once per all-reduce (its reduce-scatter hops plus its own reduced
-  // chunk), so the residuals of all ranks sum to the error of the result, and adding them to the
-  // next call's inputs cancels it. `scratch` holds 2 * the longest slice floats, on the kernels' device.
-  void set_error_feedback(float* residual, float* scratch, int64_t scratch_stride) {
-    residual_ = residual;
-    scratch_ = scratch;
-    scratch_stride_ = scratch_stride;
-  }
+  // Error feedback: `residual` (fp32, one per element of the buffer, on the kernels' device) is
+  // added to this rank's contribution before it is encoded and then overwritten with what that
+  // encoding lost (the *_feedback kernels of codec.h). Each rank encodes every element exactly once
+  // per all-reduce (its reduce-scatter hops plus its own reduced chunk), so the residuals of all
+  // ranks sum to the error of the result, and adding them to the next call's inputs cancels it.
+  void set_error_feedback(float* residual) { residual_ = residual; }
 
  protected:
-  // The element-wise primitives of a back end, in fp32 registers:
-  virtual void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale) = 0;
-  virtual void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) = 0;
-  virtual void fp8_encode_f32(const float* src, int64_t n, void* out) = 0;
-  virtual void fp8_decode_f32(const void* in, int64_t n, float* dst) = 0;
-  virtual void residual(const float* sum, const float* decoded, int64_t n, float* out) = 0;
-  // encode / reduce_encode (in != nullptr) with error feedback, from the primitives
-  void feedback_encode(const void* in, int64_t begin, int64_t n, void* out);
-
   bool fp8() const { return codec_ == Codec::kFp8E4M3 || codec_ == Codec::kFp8E5M2; }
   Fp8Format fp8_format() const { return codec_ == Codec::kFp8E4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2; }
   const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
@@ -68,8 +55,6 @@ class CodecRingKernels : public RingKernels {
   DType dtype_, wire_;
   float prescale_, postscale_;
   float* residual_ = nullptr;
-  float* scratch_ = nullptr;
-  int64_t scratch_stride_ = 0;
 };
 
 // The host-memory kernels.
@@ -81,12 +66,8 @@ class CpuRingKernels : public CodecRingKernels {
   void decode(const void* in, int64_t begin, int64_t n) override;
   void* result_as_payload(int64_t begin) override;
 
- protected:
-  void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale) override;
-  void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) override;
-  void fp8_encode_f32(const float* src, int64_t n, void* out) override;
-  void fp8_decode_f32(const void* in, int64_t n, float* dst) override;
-  void residual(const float* sum, const float* decoded, int64_t n, float* out) override;
+ private:
+  void reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out);  // in may be null
 };
 
 #ifdef GRADSYNC_WITH_CUDA
@@ -102,16 +83,9 @@ class CudaRingKernels : public CodecRingKernels {
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
 
- protected:
-  void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale) override;
-  void add(const float* a, const void* b, DType b_dtype, int64_t n, float b_scale, float* out) override;
-  void fp8_encode_f32(const float* src, int64_t n, void* out) override;
-  void fp8_decode_f32(const void* in, int64_t n, float* dst) override;
-  void residual(const float* sum, const float* decoded, int64_t n, float* out) override;
-
  private:
+  cudaError_t reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out);  // in may be null
   void finish(cudaError_t launched);
-  void check(cudaError_t launched);
   cudaStream_t stream_;
   bool synchronize_;
 };

@@ -112,11 +112,96 @@ void check_multi_tensor_copy() {
   for (int i = 0; i < 70000; ++i) CHECK(bf16_bits_to_float(d[i]) == i % 251, "d[%d] back", i);
 }
 
+// Error feedback composed of the primitives, as the fused kernels must compute it.
+void feedback_reference(const void* in, Fp8Format* fp8, DType wire, const void* local, DType lt, int64_t n, float prescale,
+                        float* residual, void* out) {
+  std::vector<float> sum(n), lost(n);
+  if (in) {
+    if (fp8) fp8_decode_cpu(*fp8, static_cast<const uint8_t*>(in), n, 1.0f, lost.data(), DType::kFloat32, 0, fp8_num_blocks(n));
+    else convert_cpu(in, wire, lost.data(), DType::kFloat32, n, 1.0f);
+    reduce_cast_cpu(lost.data(), DType::kFloat32, local, lt, n, prescale, sum.data());
+  } else {
+    convert_cpu(local, lt, sum.data(), DType::kFloat32, n, prescale);
+  }
+  reduce_cast_cpu(sum.data(), DType::kFloat32, residual, DType::kFloat32, n, 1.0f, sum.data());
+  if (fp8) {
+    fp8_encode_cpu(*fp8, sum.data(), DType::kFloat32, n, 1.0f, static_cast<uint8_t*>(out), 0, fp8_num_blocks(n));
+    fp8_decode_cpu(*fp8, static_cast<const uint8_t*>(out), n, 1.0f, lost.data(), DType::kFloat32, 0, fp8_num_blocks(n));
+  } else {
+    convert_cpu(sum.data(), DType::kFloat32, out, wire, n, 1.0f);
+    convert_cpu(out, wire, lost.data(), DType::kFloat32, n, 1.0f);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = sum[i] - lost[i];
+    residual[i] = std::isfinite(r) ? r : 0.0f;
+  }
+}
+
+// The fused error-feedback kernels give the bits of the primitives composed, on every path, with
+// and without an incoming payload, non-finite inputs included.
+void check_feedback_kernels() {
+  const int64_t n = 128 * 37 + 5;
+  const std::vector<float> base = random_bit_floats(n, 4);
+  std::vector<float> residual0(n);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> small(0.0f, 1e-3f);
+  for (auto& r : residual0) r = small(rng);
+  residual0[7] = INFINITY;
+  for (const char* isa : {"scalar", "avx2"}) {
+    if (!set_cpu_isa(isa)) continue;
+    for (DType lt : kTypes) {
+      std::vector<uint8_t> local(n * 4);
+      convert_cpu(base.data(), DType::kFloat32, local.data(), lt, n, 1e-30f);
+      if (lt == DType::kFloat32) {
+        static_cast<float*>(static_cast<void*>(local.data()))[3] = NAN;
+        static_cast<float*>(static_cast<void*>(local.data()))[200] = -INFINITY;
+      }
+      for (int codec = 0; codec < 5; ++codec) {
+        Fp8Format format = codec == 3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+        Fp8Format* fp8 = codec >= 3 ? &format : nullptr;
+        const DType wire = codec == 0 ? lt : codec == 1 ? DType::kFloat16 : DType::kBFloat16;
+        const int64_t bytes = fp8 ? fp8_payload_bytes(n) : n * dtype_size(wire);
+        std::vector<uint8_t> in(bytes);
+        const std::vector<float> other = random_bit_floats(n, 6 + codec);
+        std::vector<float> scaled(n);
+        convert_cpu(other.data(), DType::kFloat32, scaled.data(), DType::kFloat32, n, 1e-30f);
+        if (fp8) fp8_encode_cpu(format, scaled.data(), DType::kFloat32, n, 1.0f, in.data(), 0, fp8_num_blocks(n));
+        else convert_cpu(scaled.data(), DType::kFloat32, in.data(), wire, n, 1.0f);
+        for (bool has_in : {true, false}) {
+          const void* src = has_in ? in.data() : nullptr;
+          std::vector<uint8_t> a(bytes), b(bytes);
+          std::vector<float> ra = residual0, rb = residual0;
+          set_cpu_isa("scalar");
+          feedback_reference(src, fp8, wire, local.data(), lt, n, 0.37f, ra.data(), a.data());
+          set_cpu_isa(isa);
+          if (fp8) {
+            fp8_reduce_encode_feedback_cpu(format, static_cast<const uint8_t*>(src), local.data(), lt, n, 0.37f, rb.data(),
+                                           b.data());
+          } else {
+            reduce_cast_feedback_cpu(src, wire, local.data(), lt, n, 0.37f, rb.data(), b.data());
+          }
+          CHECK(a == b, "%s feedback payload differs (codec %d, local dtype %d, in %d)", isa, codec, int(lt), int(has_in));
+          CHECK(std::memcmp(ra.data(), rb.data(), n * 4) == 0, "%s feedback residual differs (codec %d, local dtype %d, in %d)",
+                isa, codec, int(lt), int(has_in));
+          // an fp32 wire loses nothing; every other one loses something
+          bool lost = false;
+          for (float r : rb) lost |= r != 0.0f;
+          CHECK(lost == !(codec == 0 && lt == DType::kFloat32), "codec %d, local dtype %d: residual %s", codec, int(lt),
+                lost ? "not zero" : "zero");
+          for (float r : rb) CHECK(std::isfinite(r), "non-finite residual (codec %d)", codec);
+        }
+      }
+    }
+  }
+  set_cpu_isa("auto");
+}
+
 }  // namespace
 
 int main() {
   check_convert_paths_agree();
   check_fp8_roundtrip();
   check_multi_tensor_copy();
+  check_feedback_kernels();
   return gradsync_test::finish("kernels_cpu");
 }
