@@ -100,6 +100,20 @@ float absmax_finite_scalar(const float* v, int64_t n) {
   return m;
 }
 
+// A block of fp32 values ready to encode: its finite absmax, and whether every value is finite
+// (then its codes need no special cases).
+struct BlockSum {
+  float absmax;
+  bool all_finite;
+};
+
+// From the largest magnitude, as bits, of out[0, i) and the values of out[i, n).
+inline BlockSum block_sum(uint32_t top, const float* out, int64_t i, int64_t n) {
+  for (; i < n; ++i) top = std::max(top, float_bits(out[i]) & 0x7fffffffu);
+  if (is_finite_bits(top)) return {bits_float(top), true};
+  return {absmax_finite_scalar(out, n), false};
+}
+
 template <Fp8Format F>
 void fp8_codes_scalar(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul, max_code);
@@ -283,7 +297,7 @@ GS_AVX2 void reduce_cast_feedback_avx2(const void* in, DType wt, const void* loc
 // one), rounds |v| to nearest-even on the format's grid. The rounded value times 2^(bias - 15) is
 // then exact in fp16, whose bits hold the fp8 code's exponent and mantissa fields in place (fp8
 // subnormals land on fp16 subnormals), so F16C's conversion reads the code off.
-template <Fp8Format F>
+template <Fp8Format F, bool kAllFinite>
 GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
   using T = Fp8Traits<F>;
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
@@ -295,18 +309,22 @@ GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
                                        _mm256_set1_epi32((127 + 1 - kBias) << 23));
   const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(exp, _mm256_set1_epi32((23 - kM) << 23)));
   __m256 r = _mm256_min_ps(_mm256_sub_ps(_mm256_add_ps(a, magic), magic), max_value);
-  // non-finite lanes take a value whose code is the special one: e4m3's NaN code is 480's slot;
-  // e5m2's infinity and NaN codes are fp16's own
-  __m256 special;
-  if constexpr (F == Fp8Format::kE4M3) {
-    special = _mm256_set1_ps(480.0f);
+  if constexpr (kAllFinite) {
+    r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(abs_bits, x)));  // sign
   } else {
-    special = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7fe00000)), _mm256_set1_ps(INFINITY),
-                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000))));
+    // non-finite lanes take a value whose code is the special one: e4m3's NaN code is 480's slot;
+    // e5m2's infinity and NaN codes are fp16's own
+    __m256 special;
+    if constexpr (F == Fp8Format::kE4M3) {
+      special = _mm256_set1_ps(480.0f);
+    } else {
+      special = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7fe00000)), _mm256_set1_ps(INFINITY),
+                                 _mm256_castsi256_ps(_mm256_cmpeq_epi32(abs_bits, _mm256_set1_epi32(0x7f800000))));
+    }
+    r = _mm256_blendv_ps(r, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff))));
+    const __m256i nan_lanes = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
+    r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(abs_bits, nan_lanes), x)));  // sign; NaN: none
   }
-  r = _mm256_blendv_ps(r, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7fffff))));
-  const __m256i nan_lanes = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
-  r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(abs_bits, nan_lanes), x)));  // sign; NaN: none
   if constexpr (kBias != 15) r = _mm256_mul_ps(r, _mm256_set1_ps(pow2(kBias - 15)));
   const __m128i half = _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if constexpr (kM == 2) {
@@ -322,41 +340,59 @@ GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
 
 // Eight values(codes) * decode_scale. The code, placed in an fp16's bits (e5m2 is fp16's top byte;
 // e4m3's fields sit one bit lower and are rebiased by an exact multiply), is widened by F16C;
-// NaN codes become the same NaN bits as the scalar path's.
-template <Fp8Format F>
+// NaN codes become the same NaN bits as the scalar path's (kNoSpecial: the caller knows there are none).
+template <Fp8Format F, bool kNoSpecial = false>
 GS_AVX2 inline __m256 fp8_values8(const uint8_t* codes, __m256 decode_scale) {
   const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
   const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   __m256 v, nan_lanes;
   if constexpr (F == Fp8Format::kE5M2) {
     v = _mm256_cvtph_ps(high);
+    if constexpr (kNoSpecial) return _mm256_mul_ps(v, decode_scale);
     nan_lanes = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   } else {
     // sign stays, the fields move one bit down: the arithmetic shift copies the sign, the mask drops the copy
     const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
     v = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+    if constexpr (kNoSpecial) return _mm256_mul_ps(v, decode_scale);
     nan_lanes = _mm256_cmp_ps(_mm256_andnot_ps(sign_mask, v), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
   }
   const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign_mask), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
   return _mm256_mul_ps(_mm256_blendv_ps(v, nan, nan_lanes), decode_scale);
 }
 
+// Whether a whole block's codes include a special one: NaN (e4m3), infinity or NaN (e5m2).
+template <Fp8Format F>
+GS_AVX2 inline bool has_special_codes(const uint8_t* codes) {
+  const __m256i field = _mm256_set1_epi8(F == Fp8Format::kE4M3 ? 0x7f : 0x7c);
+  __m256i any = _mm256_setzero_si256();
+  for (int i = 0; i < kFp8BlockSize; i += 32) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_and_si256(c, field), field));
+  }
+  return !_mm256_testz_si256(any, any);
+}
+
 template <Fp8Format F>
 GS_AVX2 inline void fp8_values_avx2(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   int64_t i = 0;
+  if (n == kFp8BlockSize && !has_special_codes<F>(codes)) {
+    for (; i < n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F, true>(codes + i, d));
+    return;
+  }
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F>(codes + i, d));
   fp8_values_scalar<F>(codes + i, n - i, decode_scale, out + i);
 }
 
-template <Fp8Format F>
+template <Fp8Format F, bool kAllFinite>
 GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
   using T = Fp8Traits<F>;
   const __m256 m = _mm256_set1_ps(mul);
   const __m256 max_value = _mm256_set1_ps(minifloat_to_float<T::kExpBits, T::kManBits>(max_code));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m128i codes = fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_value);
+    const __m128i codes = fp8_codes8<F, kAllFinite>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_value);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), codes);
   }
   fp8_codes_scalar<F>(v + i, n - i, mul, max_code, out + i);
@@ -367,6 +403,15 @@ GS_AVX2 inline __m256 max_finite_abs(__m256 m, __m256 v) {
   return _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)));
 }
 
+GS_AVX2 inline __m256i abs_bits8(__m256 v) { return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)); }
+
+GS_AVX2 inline uint32_t horizontal_max_u32(__m256i m) {
+  __m128i x = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4e));
+  x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+}
+
 GS_AVX2 inline float horizontal_max(__m256 m) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
@@ -375,21 +420,23 @@ GS_AVX2 inline float horizontal_max(__m256 m) {
 
 // The fused passes of one fp8 block: out = src * scale, or out = values(codes) * d + local * prescale,
 // each returning absmax_finite(out) computed on the way.
+// The largest magnitude of a block as bits (unsigned order is magnitude order, and infinities and
+// NaNs come above every finite value): with none of them, it is the absmax and the block is finite.
 template <DType S>
-GS_AVX2 inline float convert_absmax_avx2_t(const void* src, int64_t n, float scale, float* out) {
+GS_AVX2 inline BlockSum convert_absmax_avx2_t(const void* src, int64_t n, float scale, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
-  __m256 m = _mm256_setzero_ps();
+  __m256i m = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_mul_ps(load8<S>(src, i), s);
     _mm256_storeu_ps(out + i, v);
-    m = max_finite_abs(m, v);
+    m = _mm256_max_epu32(m, abs_bits8(v));
   }
   convert_scalar(src, S, out, DType::kFloat32, i, n, scale);
-  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+  return block_sum(horizontal_max_u32(m), out, i, n);
 }
 
-GS_AVX2 inline float convert_absmax_avx2(const void* src, DType st, int64_t n, float scale, float* out) {
+GS_AVX2 inline BlockSum convert_absmax_avx2(const void* src, DType st, int64_t n, float scale, float* out) {
   switch (st) {
     case DType::kFloat32: return convert_absmax_avx2_t<DType::kFloat32>(src, n, scale, out);
     case DType::kFloat16: return convert_absmax_avx2_t<DType::kFloat16>(src, n, scale, out);
@@ -398,10 +445,20 @@ GS_AVX2 inline float convert_absmax_avx2(const void* src, DType st, int64_t n, f
 }
 
 template <Fp8Format F, DType L>
-GS_AVX2 inline float fp8_decode_add_avx2_t(const uint8_t* codes, float decode_scale, const void* local, float prescale,
-                                           int64_t n, float* out) {
+GS_AVX2 inline BlockSum fp8_decode_add_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
+                                              float prescale, int64_t n, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   const __m256 s = _mm256_set1_ps(prescale);
+  if (n == kFp8BlockSize && !has_special_codes<F>(codes)) {  // the common case: no NaN to make canonical
+    __m256i top = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = _mm256_add_ps(fp8_values8<F, true>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
+      _mm256_storeu_ps(out + i, v);
+      top = _mm256_max_epu32(top, abs_bits8(v));
+    }
+    const uint32_t bits = horizontal_max_u32(top);
+    if (is_finite_bits(bits)) return {bits_float(bits), true};
+  }
   __m256 m = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -412,11 +469,11 @@ GS_AVX2 inline float fp8_decode_add_avx2_t(const uint8_t* codes, float decode_sc
   for (int64_t j = i; j < n; ++j) {
     out[j] = hop_sum(fp8_to_float<F>(codes[j]) * decode_scale, load_float(local, L, j) * prescale);
   }
-  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+  return {std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i)), false};
 }
 
 template <Fp8Format F>
-GS_AVX2 inline float fp8_decode_add_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+GS_AVX2 inline BlockSum fp8_decode_add_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                          float prescale, int64_t n, float* out) {
   switch (lt) {
     case DType::kFloat32: return fp8_decode_add_avx2_t<F, DType::kFloat32>(codes, decode_scale, local, prescale, n, out);
@@ -489,18 +546,18 @@ struct ScalarIsa {
   static bool streams(const void*, int64_t) { return false; }
   static void stream_scaled(const float*, int64_t, float, float*) {}
   static void fence() {}
-  static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
+  static BlockSum convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
     convert_scalar(src, st, out, DType::kFloat32, 0, n, scale);
-    return absmax_finite_scalar(out, n);
+    return {absmax_finite_scalar(out, n), false};
   }
   template <Fp8Format F>
-  static float decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
+  static BlockSum decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
                           int64_t n, float* out) {
     float mine[kFp8BlockSize];
     convert_scalar(local, lt, mine, DType::kFloat32, 0, n, prescale);
     fp8_values_scalar<F>(codes, n, decode_scale, out);
     for (int64_t i = 0; i < n; ++i) out[i] = hop_sum(out[i], mine[i]);
-    return absmax_finite_scalar(out, n);
+    return {absmax_finite_scalar(out, n), false};
   }
   template <Fp8Format F>
   static float feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
@@ -517,7 +574,7 @@ struct ScalarIsa {
     for (int64_t i = 0; i < n; ++i) residual[i] = gradsync::feedback_residual(sum[i], fp8_to_float<F>(codes[i]) * decode_scale);
   }
   template <Fp8Format F>
-  static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
+  static void codes(const float* v, int64_t n, float mul, uint32_t max_code, bool, uint8_t* out) {
     fp8_codes_scalar<F>(v, n, mul, max_code, out);
   }
   template <Fp8Format F>
@@ -541,11 +598,11 @@ struct Avx2Isa {
     convert_scalar(v, DType::kFloat32, out, DType::kFloat32, i, n, scale);
   }
   GS_AVX2 static void fence() { _mm_sfence(); }
-  GS_AVX2 static float convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
+  GS_AVX2 static BlockSum convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
     return convert_absmax_avx2(src, st, n, scale, out);
   }
   template <Fp8Format F>
-  GS_AVX2 static float decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+  GS_AVX2 static BlockSum decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                   float prescale, int64_t n, float* out) {
     return fp8_decode_add_avx2<F>(codes, decode_scale, local, lt, prescale, n, out);
   }
@@ -560,8 +617,9 @@ struct Avx2Isa {
     fp8_feedback_residual_avx2<F>(codes, decode_scale, sum, n, residual);
   }
   template <Fp8Format F>
-  GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
-    fp8_codes_avx2<F>(v, n, mul, max_code, out);
+  GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, bool all_finite, uint8_t* out) {
+    if (all_finite) return fp8_codes_avx2<F, true>(v, n, mul, max_code, out);
+    fp8_codes_avx2<F, false>(v, n, mul, max_code, out);
   }
   template <Fp8Format F>
   GS_AVX2 static void values(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
@@ -570,13 +628,12 @@ struct Avx2Isa {
 };
 #endif
 
-// Encodes one block of fp32 values whose finite absmax is `absmax`: its codes at `codes`, its
-// decode scale at `scale_at`.
+// Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
 template <Fp8Format F, class Isa>
-GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, float absmax, uint8_t* codes,
+GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, BlockSum sum, uint8_t* codes,
                                        uint8_t* scale_at) {
-  const int k = fp8_block_exponent<F>(absmax);
-  Isa::template codes<F>(block, len, pow2(k), fp8_block_max_code<F>(k), codes);
+  const int k = fp8_block_exponent<F>(sum.absmax);
+  Isa::template codes<F>(block, len, pow2(k), fp8_block_max_code<F>(k), sum.all_finite, codes);
   const float decode_scale = pow2(-k);
   std::memcpy(scale_at, &decode_scale, 4);
 }
@@ -589,8 +646,8 @@ GS_ALWAYS_INLINE void fp8_encode_loop(const void* src, DType st, int64_t n, floa
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    const float absmax = Isa::convert_absmax(static_cast<const char*>(src) + start * dtype_size(st), st, len, scale, block);
-    fp8_encode_block<F, Isa>(block, len, absmax, payload + start, scales + 4 * b);
+    const BlockSum sum = Isa::convert_absmax(static_cast<const char*>(src) + start * dtype_size(st), st, len, scale, block);
+    fp8_encode_block<F, Isa>(block, len, sum, payload + start, scales + 4 * b);
   }
   if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
 }
@@ -606,10 +663,10 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* loca
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
     float decode_scale;
     std::memcpy(&decode_scale, in_scales + 4 * b, 4);
-    const float absmax = Isa::template decode_add<F>(in + start, decode_scale,
+    const BlockSum sum = Isa::template decode_add<F>(in + start, decode_scale,
                                                      static_cast<const char*>(local) + start * dtype_size(lt), lt,
                                                      prescale, len, block);
-    fp8_encode_block<F, Isa>(block, len, absmax, out + start, out_scales + 4 * b);
+    fp8_encode_block<F, Isa>(block, len, sum, out + start, out_scales + 4 * b);
   }
   std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }
@@ -627,7 +684,7 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_feedback_loop(const uint8_t* in, const v
     const float absmax = Isa::template feedback_sum<F>(in ? in + start : nullptr, in_scale,
                                                        static_cast<const char*>(local) + start * dtype_size(lt), lt,
                                                        prescale, residual + start, len, block);
-    fp8_encode_block<F, Isa>(block, len, absmax, out + start, out_scales + 4 * b);
+    fp8_encode_block<F, Isa>(block, len, {absmax, false}, out + start, out_scales + 4 * b);
     std::memcpy(&out_scale, out_scales + 4 * b, 4);
     Isa::template feedback_residual<F>(out + start, out_scale, block, len, residual + start);
   }
