@@ -484,10 +484,22 @@ GS_AVX2 inline BlockSum fp8_decode_add_avx2(const uint8_t* codes, float decode_s
 // One block of error feedback's summand into out, returning its finite absmax; codes == nullptr:
 // no incoming payload.
 template <Fp8Format F, DType L, bool kIn>
-GS_AVX2 inline float fp8_feedback_sum_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
-                                             float prescale, const float* residual, int64_t n, float* out) {
+GS_AVX2 inline BlockSum fp8_feedback_sum_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
+                                                float prescale, const float* residual, int64_t n, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   const __m256 s = _mm256_set1_ps(prescale);
+  if (n == kFp8BlockSize && !(kIn && has_special_codes<F>(codes))) {  // as in fp8_decode_add_avx2_t
+    __m256i top = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
+      const __m256 v = _mm256_add_ps(kIn ? _mm256_add_ps(fp8_values8<F, true>(codes + i, d), mine) : mine,
+                                     _mm256_loadu_ps(residual + i));
+      _mm256_storeu_ps(out + i, v);
+      top = _mm256_max_epu32(top, abs_bits8(v));
+    }
+    const uint32_t bits = horizontal_max_u32(top);
+    if (is_finite_bits(bits)) return {bits_float(bits), true};
+  }
   __m256 m = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -500,18 +512,18 @@ GS_AVX2 inline float fp8_feedback_sum_avx2_t(const uint8_t* codes, float decode_
     out[j] = feedback_sum(kIn ? fp8_to_float<F>(codes[j]) * decode_scale : 0.0f, kIn, load_float(local, L, j) * prescale,
                           residual[j]);
   }
-  return std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i));
+  return {std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i)), false};
 }
 
 template <Fp8Format F, DType L>
-GS_AVX2 inline float fp8_feedback_sum_avx2_local(const uint8_t* codes, float decode_scale, const void* local,
+GS_AVX2 inline BlockSum fp8_feedback_sum_avx2_local(const uint8_t* codes, float decode_scale, const void* local,
                                                  float prescale, const float* residual, int64_t n, float* out) {
   if (codes) return fp8_feedback_sum_avx2_t<F, L, true>(codes, decode_scale, local, prescale, residual, n, out);
   return fp8_feedback_sum_avx2_t<F, L, false>(codes, decode_scale, local, prescale, residual, n, out);
 }
 
 template <Fp8Format F>
-GS_AVX2 inline float fp8_feedback_sum_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+GS_AVX2 inline BlockSum fp8_feedback_sum_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                            float prescale, const float* residual, int64_t n, float* out) {
   switch (lt) {
     case DType::kFloat32:
@@ -523,11 +535,17 @@ GS_AVX2 inline float fp8_feedback_sum_avx2(const uint8_t* codes, float decode_sc
   }
 }
 
+// codes_finite: the codes are those of finite values, so none is special.
 template <Fp8Format F>
 GS_AVX2 inline void fp8_feedback_residual_avx2(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
-                                               float* residual) {
+                                               bool codes_finite, float* residual) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   int64_t i = 0;
+  if (codes_finite) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(residual + i, feedback_residual8(_mm256_loadu_ps(sum + i), fp8_values8<F, true>(codes + i, d)));
+    }
+  }
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(residual + i, feedback_residual8(_mm256_loadu_ps(sum + i), fp8_values8<F>(codes + i, d)));
   }
@@ -560,16 +578,16 @@ struct ScalarIsa {
     return {absmax_finite_scalar(out, n), false};
   }
   template <Fp8Format F>
-  static float feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
+  static BlockSum feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
                             const float* residual, int64_t n, float* out) {
     for (int64_t i = 0; i < n; ++i) {
       out[i] = gradsync::feedback_sum(codes ? fp8_to_float<F>(codes[i]) * decode_scale : 0.0f, codes != nullptr,
                                       load_float(local, lt, i) * prescale, residual[i]);
     }
-    return absmax_finite_scalar(out, n);
+    return {absmax_finite_scalar(out, n), false};
   }
   template <Fp8Format F>
-  static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
+  static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n, bool,
                                 float* residual) {
     for (int64_t i = 0; i < n; ++i) residual[i] = gradsync::feedback_residual(sum[i], fp8_to_float<F>(codes[i]) * decode_scale);
   }
@@ -607,14 +625,14 @@ struct Avx2Isa {
     return fp8_decode_add_avx2<F>(codes, decode_scale, local, lt, prescale, n, out);
   }
   template <Fp8Format F>
-  GS_AVX2 static float feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+  GS_AVX2 static BlockSum feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                     float prescale, const float* residual, int64_t n, float* out) {
     return fp8_feedback_sum_avx2<F>(codes, decode_scale, local, lt, prescale, residual, n, out);
   }
   template <Fp8Format F>
   GS_AVX2 static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
-                                        float* residual) {
-    fp8_feedback_residual_avx2<F>(codes, decode_scale, sum, n, residual);
+                                        bool codes_finite, float* residual) {
+    fp8_feedback_residual_avx2<F>(codes, decode_scale, sum, n, codes_finite, residual);
   }
   template <Fp8Format F>
   GS_AVX2 static void codes(const float* v, int64_t n, float mul, uint32_t max_code, bool all_finite, uint8_t* out) {
@@ -681,12 +699,12 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_feedback_loop(const uint8_t* in, const v
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
     float in_scale = 0.0f, out_scale;
     if (in) std::memcpy(&in_scale, in + fp8_scales_offset(n) + 4 * b, 4);
-    const float absmax = Isa::template feedback_sum<F>(in ? in + start : nullptr, in_scale,
+    const BlockSum sum = Isa::template feedback_sum<F>(in ? in + start : nullptr, in_scale,
                                                        static_cast<const char*>(local) + start * dtype_size(lt), lt,
                                                        prescale, residual + start, len, block);
-    fp8_encode_block<F, Isa>(block, len, {absmax, false}, out + start, out_scales + 4 * b);
+    fp8_encode_block<F, Isa>(block, len, sum, out + start, out_scales + 4 * b);
     std::memcpy(&out_scale, out_scales + 4 * b, 4);
-    Isa::template feedback_residual<F>(out + start, out_scale, block, len, residual + start);
+    Isa::template feedback_residual<F>(out + start, out_scale, block, len, sum.all_finite, residual + start);
   }
   std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }

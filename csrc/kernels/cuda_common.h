@@ -18,11 +18,21 @@ __device__ __forceinline__ float load_one(const void* p, int64_t i) {
   else return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
 }
 
+// Stores v as a T; returns the value stored.
 template <DType T>
-__device__ __forceinline__ void store_one(void* p, int64_t i, float v) {
-  if constexpr (T == DType::kFloat32) static_cast<float*>(p)[i] = v;
-  else if constexpr (T == DType::kFloat16) static_cast<__half*>(p)[i] = __float2half_rn(v);
-  else static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+__device__ __forceinline__ float store_one(void* p, int64_t i, float v) {
+  if constexpr (T == DType::kFloat32) {
+    static_cast<float*>(p)[i] = v;
+    return v;
+  } else if constexpr (T == DType::kFloat16) {
+    const __half h = __float2half_rn(v);
+    static_cast<__half*>(p)[i] = h;
+    return __half2float(h);
+  } else {
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    static_cast<__nv_bfloat16*>(p)[i] = b;
+    return __bfloat162float(b);
+  }
 }
 
 // Enough blocks of `threads` threads to fill every SM of the current device a few times over;

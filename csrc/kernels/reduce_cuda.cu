@@ -35,8 +35,7 @@ __global__ void __launch_bounds__(kThreads) reduce_cast_feedback_kernel(const vo
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float mine = load_one<L>(local, i) * prescale;
     const float sum = hop_sum(kIn ? hop_sum(load_one<W>(in, i), mine) : mine, residual[i]);
-    store_one<W>(out, i, sum);
-    residual[i] = feedback_residual(sum, load_one<W>(out, i));
+    residual[i] = feedback_residual(sum, store_one<W>(out, i, sum));
   }
 }
 
