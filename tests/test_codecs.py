@@ -218,6 +218,31 @@ def test_large_fp32_results_at_any_alignment_match_the_scalar_path(codec):
         assert same_bits(results[1], gradsync.decompress(payload, codec, n).mul_(0.75)), (codec, offset)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_16_bit_results_at_any_alignment_match_the_scalar_path(dtype):
+    # flattened results this large leave through non-temporal stores too, 32 bytes at a time
+    from gradsync import _C
+    if _C.cpu_isa() != "avx2":
+        pytest.skip("no AVX2 on this CPU")
+    n = 100005
+    x = random_bits_floats(n)
+    x[::1001] = float("nan")
+    buffer = torch.empty(n + 16, dtype=dtype)
+    for offset in range(16):
+        out = buffer[offset:offset + n]
+        results = []
+        for isa in ("scalar", "avx2"):
+            _C.set_cpu_isa(isa)
+            out.fill_(7.0)
+            gradsync.flatten([x], dtype=dtype, scale=0.75, out=out)
+            results.append(out.clone())
+        _C.set_cpu_isa("auto")
+        assert same_bits(*results), (dtype, offset)
+        nan = torch.isnan(results[1])
+        assert torch.equal(nan, torch.isnan(x)), (dtype, offset)
+        assert same_bits(results[1][~nan], (x[~nan] * 0.75).to(dtype)), (dtype, offset)  # torch's NaN bits are its own
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 3000), codec=st.sampled_from(gradsync.CODECS), dtype=st.sampled_from(FLOAT_DTYPES),
        log_mag=st.floats(-30, 30), scale=st.sampled_from([1.0, 0.5, 1 / 7, 1024.0]), seed=st.integers(0, 2**31))

@@ -51,8 +51,11 @@ void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DTy
 void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
                                     int64_t n, float prescale, float* residual, uint8_t* out);
 
-// Contiguous scale-and-cast: dst[i] = cast<dst_dtype>(float(src[i]) * scale).
-void convert_cpu(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale);
+// Contiguous scale-and-cast: dst[i] = cast<dst_dtype>(float(src[i]) * scale). Large results bypass
+// the cache (non-temporal stores) unless `cache_result`: say so for a result that is read at once,
+// such as a payload about to be sent.
+void convert_cpu(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
+                 bool cache_result = false);
 
 // Selects the CPU instruction set used by the kernels: "auto" (the best the CPU has), "avx2" or
 // "scalar". Returns false if the request cannot be honoured on this CPU.

@@ -28,7 +28,7 @@ void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
     fp8_encode_cpu(fp8_format(), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
                    fp8_num_blocks(n));
   } else {
-    convert_cpu(local_at(begin), dtype_, out, wire_, n, prescale_);
+    convert_cpu(local_at(begin), dtype_, out, wire_, n, prescale_, /*cache_result=*/true);  // sent next
   }
 }
 
