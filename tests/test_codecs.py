@@ -194,53 +194,50 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
     _C.set_cpu_isa("auto")
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16"] + list(FP8))
-def test_large_fp32_results_at_any_alignment_match_the_scalar_path(codec):
-    # fp32 results this large leave through non-temporal stores, aligned or not
+def results_at_every_alignment(n, dtype, write):
+    """For each offset of a result of n `dtype` elements from 32-byte alignment: what `write(out)`
+    leaves in `out` under the scalar and under the AVX2 kernels, which must agree bitwise."""
     from gradsync import _C
     if _C.cpu_isa() != "avx2":
         pytest.skip("no AVX2 on this CPU")
-    n = 128 * 800 + 5
-    x = random_bits_floats(n)
-    x[::1001] = float("nan")
-    payload = gradsync.compress(x, codec)
-    buffer = torch.empty(n + 8)
-    for offset in range(8):
+    per_vector = 32 // torch.empty(0, dtype=dtype).element_size()
+    buffer = torch.empty(n + per_vector, dtype=dtype)
+    for offset in range(per_vector):
         out = buffer[offset:offset + n]
         results = []
         for isa in ("scalar", "avx2"):
             _C.set_cpu_isa(isa)
             out.fill_(7.0)
-            gradsync.decompress(payload, codec, n, scale=0.75, out=out)
+            write(out)
             results.append(out.clone())
         _C.set_cpu_isa("auto")
-        assert same_bits(*results), (codec, offset)
-        assert same_bits(results[1], gradsync.decompress(payload, codec, n).mul_(0.75)), (codec, offset)
+        assert same_bits(*results), (dtype, offset)
+        yield results[1]
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16"] + list(FP8))
+def test_large_fp32_results_at_any_alignment_match_the_scalar_path(codec):
+    # fp32 results this large leave through non-temporal stores, aligned or not
+    n = 128 * 800 + 5
+    x = random_bits_floats(n)
+    x[::1001] = float("nan")
+    payload = gradsync.compress(x, codec)
+    expected = gradsync.decompress(payload, codec, n).mul_(0.75)
+    for result in results_at_every_alignment(n, torch.float32,
+                                             lambda out: gradsync.decompress(payload, codec, n, scale=0.75, out=out)):
+        assert same_bits(result, expected), codec
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_large_16_bit_results_at_any_alignment_match_the_scalar_path(dtype):
     # flattened results this large leave through non-temporal stores too, 32 bytes at a time
-    from gradsync import _C
-    if _C.cpu_isa() != "avx2":
-        pytest.skip("no AVX2 on this CPU")
     n = 100005
     x = random_bits_floats(n)
     x[::1001] = float("nan")
-    buffer = torch.empty(n + 16, dtype=dtype)
-    for offset in range(16):
-        out = buffer[offset:offset + n]
-        results = []
-        for isa in ("scalar", "avx2"):
-            _C.set_cpu_isa(isa)
-            out.fill_(7.0)
-            gradsync.flatten([x], dtype=dtype, scale=0.75, out=out)
-            results.append(out.clone())
-        _C.set_cpu_isa("auto")
-        assert same_bits(*results), (dtype, offset)
-        nan = torch.isnan(results[1])
-        assert torch.equal(nan, torch.isnan(x)), (dtype, offset)
-        assert same_bits(results[1][~nan], (x[~nan] * 0.75).to(dtype)), (dtype, offset)  # torch's NaN bits are its own
+    nan = torch.isnan(x)
+    for result in results_at_every_alignment(n, dtype, lambda out: gradsync.flatten([x], dtype=dtype, scale=0.75, out=out)):
+        assert torch.equal(torch.isnan(result), nan), dtype
+        assert same_bits(result[~nan], (x[~nan] * 0.75).to(dtype)), dtype  # torch's NaN bits are its own
 
 
 @settings(max_examples=60, deadline=None)
