@@ -461,15 +461,20 @@ GS_AVX2 inline BlockSum convert_absmax_avx2(const void* src, DType st, int64_t n
   }
 }
 
-template <Fp8Format F, DType L>
-GS_AVX2 inline BlockSum fp8_decode_add_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
-                                              float prescale, int64_t n, float* out) {
+// One block's summand into out: [values(codes) * decode_scale +] local * prescale [+ residual],
+// each addition a hop_sum. A block without special codes whose sums are all finite takes a loop with
+// none of NaN's special cases; anything else is redone on the full one.
+template <Fp8Format F, DType L, bool kIn, bool kResidual>
+GS_AVX2 inline BlockSum fp8_block_sum_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
+                                             float prescale, const float* residual, int64_t n, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   const __m256 s = _mm256_set1_ps(prescale);
-  if (n == kFp8BlockSize && !has_special_codes<F>(codes)) {  // the common case: no NaN to make canonical
+  if (n == kFp8BlockSize && !(kIn && has_special_codes<F>(codes))) {
     __m256i top = _mm256_setzero_si256();
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256 v = _mm256_add_ps(fp8_values8<F, true>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
+      __m256 v = _mm256_mul_ps(load8<L>(local, i), s);
+      if constexpr (kIn) v = _mm256_add_ps(fp8_values8<F, true>(codes + i, d), v);
+      if constexpr (kResidual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
       _mm256_storeu_ps(out + i, v);
       top = _mm256_max_epu32(top, abs_bits8(v));
     }
@@ -479,76 +484,40 @@ GS_AVX2 inline BlockSum fp8_decode_add_avx2_t(const uint8_t* codes, float decode
   __m256 m = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = hop_sum8(fp8_values8<F>(codes + i, d), _mm256_mul_ps(load8<L>(local, i), s));
+    __m256 v = _mm256_mul_ps(load8<L>(local, i), s);
+    if constexpr (kIn) v = hop_sum8(fp8_values8<F>(codes + i, d), v);
+    if constexpr (kResidual) v = hop_sum8(v, _mm256_loadu_ps(residual + i));
     _mm256_storeu_ps(out + i, v);
     m = max_finite_abs(m, v);
   }
   for (int64_t j = i; j < n; ++j) {
-    out[j] = hop_sum(fp8_to_float<F>(codes[j]) * decode_scale, load_float(local, L, j) * prescale);
+    float v = load_float(local, L, j) * prescale;
+    if constexpr (kIn) v = hop_sum(fp8_to_float<F>(codes[j]) * decode_scale, v);
+    if constexpr (kResidual) v = hop_sum(v, residual[j]);
+    out[j] = v;
   }
   return {std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i)), false};
 }
 
-template <Fp8Format F>
-GS_AVX2 inline BlockSum fp8_decode_add_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
-                                         float prescale, int64_t n, float* out) {
-  switch (lt) {
-    case DType::kFloat32: return fp8_decode_add_avx2_t<F, DType::kFloat32>(codes, decode_scale, local, prescale, n, out);
-    case DType::kFloat16: return fp8_decode_add_avx2_t<F, DType::kFloat16>(codes, decode_scale, local, prescale, n, out);
-    default: return fp8_decode_add_avx2_t<F, DType::kBFloat16>(codes, decode_scale, local, prescale, n, out);
-  }
-}
-// One block of error feedback's summand into out, returning its finite absmax; codes == nullptr:
-// no incoming payload.
-template <Fp8Format F, DType L, bool kIn>
-GS_AVX2 inline BlockSum fp8_feedback_sum_avx2_t(const uint8_t* codes, float decode_scale, const void* local,
-                                                float prescale, const float* residual, int64_t n, float* out) {
-  const __m256 d = _mm256_set1_ps(decode_scale);
-  const __m256 s = _mm256_set1_ps(prescale);
-  if (n == kFp8BlockSize && !(kIn && has_special_codes<F>(codes))) {  // as in fp8_decode_add_avx2_t
-    __m256i top = _mm256_setzero_si256();
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
-      const __m256 v = _mm256_add_ps(kIn ? _mm256_add_ps(fp8_values8<F, true>(codes + i, d), mine) : mine,
-                                     _mm256_loadu_ps(residual + i));
-      _mm256_storeu_ps(out + i, v);
-      top = _mm256_max_epu32(top, abs_bits8(v));
-    }
-    const uint32_t bits = horizontal_max_u32(top);
-    if (is_finite_bits(bits)) return {bits_float(bits), true};
-  }
-  __m256 m = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
-    const __m256 v = hop_sum8(kIn ? hop_sum8(fp8_values8<F>(codes + i, d), mine) : mine, _mm256_loadu_ps(residual + i));
-    _mm256_storeu_ps(out + i, v);
-    m = max_finite_abs(m, v);
-  }
-  for (int64_t j = i; j < n; ++j) {
-    out[j] = feedback_sum(kIn ? fp8_to_float<F>(codes[j]) * decode_scale : 0.0f, kIn, load_float(local, L, j) * prescale,
-                          residual[j]);
-  }
-  return {std::max(horizontal_max(m), absmax_finite_scalar(out + i, n - i)), false};
-}
-
-template <Fp8Format F, DType L>
-GS_AVX2 inline BlockSum fp8_feedback_sum_avx2_local(const uint8_t* codes, float decode_scale, const void* local,
+template <Fp8Format F, DType L, bool kResidual>
+GS_AVX2 inline BlockSum fp8_block_sum_avx2_local(const uint8_t* codes, float decode_scale, const void* local,
                                                  float prescale, const float* residual, int64_t n, float* out) {
-  if (codes) return fp8_feedback_sum_avx2_t<F, L, true>(codes, decode_scale, local, prescale, residual, n, out);
-  return fp8_feedback_sum_avx2_t<F, L, false>(codes, decode_scale, local, prescale, residual, n, out);
+  if (codes) return fp8_block_sum_avx2_t<F, L, true, kResidual>(codes, decode_scale, local, prescale, residual, n, out);
+  return fp8_block_sum_avx2_t<F, L, false, kResidual>(codes, decode_scale, local, prescale, residual, n, out);
 }
 
-template <Fp8Format F>
-GS_AVX2 inline BlockSum fp8_feedback_sum_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+// codes == nullptr: no incoming payload; residual == nullptr: no error feedback.
+template <Fp8Format F, bool kResidual>
+GS_AVX2 inline BlockSum fp8_block_sum_avx2(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                            float prescale, const float* residual, int64_t n, float* out) {
   switch (lt) {
     case DType::kFloat32:
-      return fp8_feedback_sum_avx2_local<F, DType::kFloat32>(codes, decode_scale, local, prescale, residual, n, out);
+      return fp8_block_sum_avx2_local<F, DType::kFloat32, kResidual>(codes, decode_scale, local, prescale, residual, n, out);
     case DType::kFloat16:
-      return fp8_feedback_sum_avx2_local<F, DType::kFloat16>(codes, decode_scale, local, prescale, residual, n, out);
+      return fp8_block_sum_avx2_local<F, DType::kFloat16, kResidual>(codes, decode_scale, local, prescale, residual, n, out);
     default:
-      return fp8_feedback_sum_avx2_local<F, DType::kBFloat16>(codes, decode_scale, local, prescale, residual, n, out);
+      return fp8_block_sum_avx2_local<F, DType::kBFloat16, kResidual>(codes, decode_scale, local, prescale, residual, n,
+                                                                       out);
   }
 }
 
@@ -639,12 +608,12 @@ struct Avx2Isa {
   template <Fp8Format F>
   GS_AVX2 static BlockSum decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                   float prescale, int64_t n, float* out) {
-    return fp8_decode_add_avx2<F>(codes, decode_scale, local, lt, prescale, n, out);
+    return fp8_block_sum_avx2<F, false>(codes, decode_scale, local, lt, prescale, nullptr, n, out);
   }
   template <Fp8Format F>
   GS_AVX2 static BlockSum feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                     float prescale, const float* residual, int64_t n, float* out) {
-    return fp8_feedback_sum_avx2<F>(codes, decode_scale, local, lt, prescale, residual, n, out);
+    return fp8_block_sum_avx2<F, true>(codes, decode_scale, local, lt, prescale, residual, n, out);
   }
   template <Fp8Format F>
   GS_AVX2 static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
