@@ -56,16 +56,12 @@ void reduce_cast_scalar(const void* in, DType wt, const void* local, DType lt, i
   for (int64_t i = begin; i < end; ++i) store_float(out, wt, i, hop_sum(load_float(in, wt, i), load_float(local, lt, i) * prescale));
 }
 
-// The summand of error feedback: [decode(in) +] local * prescale + residual.
-inline float feedback_sum(float decoded, bool has_in, float mine, float residual) {
-  return hop_sum(has_in ? hop_sum(decoded, mine) : mine, residual);
-}
-
 void reduce_cast_feedback_scalar(const void* in, DType wt, const void* local, DType lt, int64_t begin, int64_t end,
                                  float prescale, float* residual, void* out) {
   for (int64_t i = begin; i < end; ++i) {
-    const float sum = feedback_sum(in ? load_float(in, wt, i) : 0.0f, in != nullptr,
-                                   load_float(local, lt, i) * prescale, residual[i]);
+    float sum = load_float(local, lt, i) * prescale;
+    if (in) sum = hop_sum(load_float(in, wt, i), sum);
+    sum = hop_sum(sum, residual[i]);
     store_float(out, wt, i, sum);
     residual[i] = feedback_residual(sum, load_float(out, wt, i));
   }
@@ -435,10 +431,8 @@ GS_AVX2 inline float horizontal_max(__m256 m) {
   return *std::max_element(lanes, lanes + 8);
 }
 
-// The fused passes of one fp8 block: out = src * scale, or out = values(codes) * d + local * prescale,
-// each returning absmax_finite(out) computed on the way.
-// The largest magnitude of a block as bits (unsigned order is magnitude order, and infinities and
-// NaNs come above every finite value): with none of them, it is the absmax and the block is finite.
+// One fp8 block's out = src * scale and its BlockSum, from the largest magnitude as bits (unsigned
+// order is magnitude order, and infinities and NaNs come above every finite value).
 template <DType S>
 GS_AVX2 inline BlockSum convert_absmax_avx2_t(const void* src, int64_t n, float scale, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
@@ -555,20 +549,13 @@ struct ScalarIsa {
     return {absmax_finite_scalar(out, n), false};
   }
   template <Fp8Format F>
-  static BlockSum decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
-                          int64_t n, float* out) {
-    float mine[kFp8BlockSize];
-    convert_scalar(local, lt, mine, DType::kFloat32, 0, n, prescale);
-    fp8_values_scalar<F>(codes, n, decode_scale, out);
-    for (int64_t i = 0; i < n; ++i) out[i] = hop_sum(out[i], mine[i]);
-    return {absmax_finite_scalar(out, n), false};
-  }
-  template <Fp8Format F>
-  static BlockSum feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
+  static BlockSum block_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt, float prescale,
                             const float* residual, int64_t n, float* out) {
     for (int64_t i = 0; i < n; ++i) {
-      out[i] = gradsync::feedback_sum(codes ? fp8_to_float<F>(codes[i]) * decode_scale : 0.0f, codes != nullptr,
-                                      load_float(local, lt, i) * prescale, residual[i]);
+      float v = load_float(local, lt, i) * prescale;
+      if (codes) v = hop_sum(fp8_to_float<F>(codes[i]) * decode_scale, v);
+      if (residual) v = hop_sum(v, residual[i]);
+      out[i] = v;
     }
     return {absmax_finite_scalar(out, n), false};
   }
@@ -605,15 +592,12 @@ struct Avx2Isa {
   GS_AVX2 static BlockSum convert_absmax(const void* src, DType st, int64_t n, float scale, float* out) {
     return convert_absmax_avx2(src, st, n, scale, out);
   }
+  // [values(codes) * decode_scale +] local * prescale [+ residual]: codes, residual may be null
   template <Fp8Format F>
-  GS_AVX2 static BlockSum decode_add(const uint8_t* codes, float decode_scale, const void* local, DType lt,
-                                  float prescale, int64_t n, float* out) {
-    return fp8_block_sum_avx2<F, false>(codes, decode_scale, local, lt, prescale, nullptr, n, out);
-  }
-  template <Fp8Format F>
-  GS_AVX2 static BlockSum feedback_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
+  GS_AVX2 static BlockSum block_sum(const uint8_t* codes, float decode_scale, const void* local, DType lt,
                                     float prescale, const float* residual, int64_t n, float* out) {
-    return fp8_block_sum_avx2<F, true>(codes, decode_scale, local, lt, prescale, residual, n, out);
+    if (residual) return fp8_block_sum_avx2<F, true>(codes, decode_scale, local, lt, prescale, residual, n, out);
+    return fp8_block_sum_avx2<F, false>(codes, decode_scale, local, lt, prescale, nullptr, n, out);
   }
   template <Fp8Format F>
   GS_AVX2 static void feedback_residual(const uint8_t* codes, float decode_scale, const float* sum, int64_t n,
@@ -656,41 +640,27 @@ GS_ALWAYS_INLINE void fp8_encode_loop(const void* src, DType st, int64_t n, floa
   if (b1 == fp8_num_blocks(n)) std::memset(payload + n, 0, fp8_scales_offset(n) - n);
 }
 
+// The ring's hop: out = encode([decode(in) +] local * prescale [+ residual]); with a residual (error
+// feedback) it is then overwritten with what the encoding lost. in may be null when residual is not.
 template <Fp8Format F, class Isa>
 GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
-                                             uint8_t* out) {
-  const uint8_t* in_scales = in + fp8_scales_offset(n);
+                                             float* residual, uint8_t* out) {
   uint8_t* out_scales = out + fp8_scales_offset(n);
   alignas(32) float block[kFp8BlockSize];
   for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    float decode_scale;
-    std::memcpy(&decode_scale, in_scales + 4 * b, 4);
-    const BlockSum sum = Isa::template decode_add<F>(in + start, decode_scale,
-                                                     static_cast<const char*>(local) + start * dtype_size(lt), lt,
-                                                     prescale, len, block);
-    fp8_encode_block<F, Isa>(block, len, sum, out + start, out_scales + 4 * b);
-  }
-  std::memset(out + n, 0, fp8_scales_offset(n) - n);
-}
-
-template <Fp8Format F, class Isa>
-GS_ALWAYS_INLINE void fp8_reduce_encode_feedback_loop(const uint8_t* in, const void* local, DType lt, int64_t n,
-                                                      float prescale, float* residual, uint8_t* out) {
-  uint8_t* out_scales = out + fp8_scales_offset(n);
-  alignas(32) float block[kFp8BlockSize];
-  for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
-    const int64_t start = b * kFp8BlockSize;
-    const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
-    float in_scale = 0.0f, out_scale;
+    float in_scale = 0.0f;
     if (in) std::memcpy(&in_scale, in + fp8_scales_offset(n) + 4 * b, 4);
-    const BlockSum sum = Isa::template feedback_sum<F>(in ? in + start : nullptr, in_scale,
-                                                       static_cast<const char*>(local) + start * dtype_size(lt), lt,
-                                                       prescale, residual + start, len, block);
+    const BlockSum sum = Isa::template block_sum<F>(in ? in + start : nullptr, in_scale,
+                                                    static_cast<const char*>(local) + start * dtype_size(lt), lt,
+                                                    prescale, residual ? residual + start : nullptr, len, block);
     fp8_encode_block<F, Isa>(block, len, sum, out + start, out_scales + 4 * b);
-    std::memcpy(&out_scale, out_scales + 4 * b, 4);
-    Isa::template feedback_residual<F>(out + start, out_scale, block, len, sum.all_finite, residual + start);
+    if (residual) {
+      float out_scale;
+      std::memcpy(&out_scale, out_scales + 4 * b, 4);
+      Isa::template feedback_residual<F>(out + start, out_scale, block, len, sum.all_finite, residual + start);
+    }
   }
   std::memset(out + n, 0, fp8_scales_offset(n) - n);
 }
@@ -733,10 +703,8 @@ GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float s
 
 GS_ISA_ENTRY(fp8_encode, (const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1),
              (src, st, n, scale, payload, b0, b1))
-GS_ISA_ENTRY(fp8_reduce_encode, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out),
-             (in, local, lt, n, prescale, out))
-GS_ISA_ENTRY(fp8_reduce_encode_feedback, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
-                                          float* residual, uint8_t* out),
+GS_ISA_ENTRY(fp8_reduce_encode, (const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                                 float* residual, uint8_t* out),
              (in, local, lt, n, prescale, residual, out))
 GS_ISA_ENTRY(fp8_decode, (const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1),
              (payload, n, scale, dst, dt, b0, b1))
@@ -747,14 +715,9 @@ void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_
 }
 
 template <Fp8Format F>
-void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, uint8_t* out) {
-  GS_DISPATCH(fp8_reduce_encode, in, local, lt, n, prescale, out);
-}
-
-template <Fp8Format F>
-void fp8_reduce_encode_feedback_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
-                                       float* residual, uint8_t* out) {
-  GS_DISPATCH(fp8_reduce_encode_feedback, in, local, lt, n, prescale, residual, out);
+void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale,
+                              float* residual, uint8_t* out) {
+  GS_DISPATCH(fp8_reduce_encode, in, local, lt, n, prescale, residual, out);
 }
 
 template <Fp8Format F>
@@ -799,8 +762,8 @@ void reduce_cast_cpu(const void* in, DType wire, const void* local, DType local_
 
 void fp8_reduce_encode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
                            float prescale, uint8_t* out) {
-  if (format == Fp8Format::kE4M3) fp8_reduce_encode_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, out);
-  else fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out);
+  if (format == Fp8Format::kE4M3) fp8_reduce_encode_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, nullptr, out);
+  else fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, nullptr, out);
 }
 
 void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
@@ -814,9 +777,9 @@ void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DTy
 void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
                                     int64_t n, float prescale, float* residual, uint8_t* out) {
   if (format == Fp8Format::kE4M3) {
-    fp8_reduce_encode_feedback_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, residual, out);
+    fp8_reduce_encode_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, residual, out);
   } else {
-    fp8_reduce_encode_feedback_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, residual, out);
+    fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, residual, out);
   }
 }
 
