@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite: on a GPU machine with torch, nvcc, ninja and cupy preinstalled (no network needed),
-# builds gradsync, runs every test (the CUDA ones included), the kernel benchmarks, a one-rank
+# builds gradsync, runs every CUDA test, the kernel benchmarks, a one-rank
 # all-reduce over the NCCL transport and the cost of one ring hop over NCCL, and writes
-# logs and JSON into OUTDIR. Target: under 8 minutes on one H200.
+# logs and JSON into OUTDIR. Target: about 6 minutes on one H200 (the build included), so that a
+# second run still fits a 15-minute lease. The CPU tests are left to CI.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
 set -uo pipefail
@@ -15,11 +16,16 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($python -c \
   "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null || echo 9.0)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure explains itself in the logs
 started=$SECONDS
 status=0
 
-{ date -u; nvidia-smi; $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
-  > "$out/env.txt" 2>&1
+{ date -u; nvidia-smi; which nvcc; nvcc --version; echo "CUDA_HOME=${CUDA_HOME:-}"; $python --version
+  $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  $python -c "import glob, os, nvidia.nccl as m; d = os.path.dirname(m.__file__)
+print('nvidia-nccl:', glob.glob(d + '/include/nccl.h'), glob.glob(d + '/lib/libnccl.so*'))"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
 
 echo "== build (arch $TORCH_CUDA_ARCH_LIST)"
 if ! $python -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1; then
@@ -30,25 +36,21 @@ $python -m gradsync.report | tee "$out/report.txt"
 
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 $python -c "import pytest, hypothesis, numpy" 2>&1 | tee "$out/tests_cuda.log" || status=1
-timeout 180 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== every other test [$((SECONDS - started))s]"
-timeout 240 $python -m pytest tests -m "not cuda" -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+timeout -s INT -k 15 200 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmarks [$((SECONDS - started))s]"
-timeout 240 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
+timeout -s INT -k 10 150 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
   --plot "$out/bench_kernels_cuda.png" 2>&1 | tee "$out/bench_kernels_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]"
-timeout 120 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
+timeout -s INT -k 10 90 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
   --max-bytes 256M --json "$out/bench_allreduce_cuda_1rank.json" 2>&1 | tee "$out/bench_allreduce_cuda_1rank.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== one ring hop over NCCL: host cost and latency, non-blocking vs blocking communicator [$((SECONDS - started))s]"
-timeout 90 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
+timeout -s INT -k 10 60 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== done in $((SECONDS - started))s, status $status"

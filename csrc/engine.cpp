@@ -55,10 +55,13 @@ RingEngine::~RingEngine() {
   stop();
 #ifdef GRADSYNC_WITH_CUDA
   if (nccl_) {
+    int current = -1;
+    const bool restore = cudaGetDevice(&current) == cudaSuccess;
     cudaSetDevice(nccl_->device());
     nccl_.reset();
     cudaStreamDestroy(compute_stream_);
     cudaStreamDestroy(wire_stream_);
+    if (restore) cudaSetDevice(current);  // the destroying thread's device, as it was
   }
 #endif
 }

@@ -407,6 +407,24 @@ def cuda_matches_cpu(rank, size):
         gradsync.all_reduce(on_gpu, codec=codec, residual=gpu_residual)
         same[(codec, "feedback")] = (same_bits_up_to_nan_payload(on_gpu, on_cpu)
                                      and same_bits_up_to_nan_payload(gpu_residual, cpu_residual))
+    # NCCL-sized slices (one per chunk here), so that every per-hop kernel's grid strides more than once
+    saved = gradsync.distributed.SLICE_BYTES
+    gradsync.distributed.SLICE_BYTES = 64 << 20  # read at each call, on every rank alike
+    try:
+        for codec in ("fp16", "fp8_e4m3"):
+            x = rank_input(rank, 9_000_011, torch.float32, seed=8)
+            residual = rank_input(rank, x.numel(), torch.float32, seed=9) * 1e-3
+            on_cpu, on_gpu = x.clone(), x.cuda()
+            gradsync.all_reduce(on_cpu, codec=codec)
+            gradsync.all_reduce(on_gpu, codec=codec)
+            same[(codec, "big slices")] = same_bits_up_to_nan_payload(on_gpu, on_cpu)
+            on_cpu, cpu_residual, on_gpu, gpu_residual = x.clone(), residual.clone(), x.cuda(), residual.cuda()
+            gradsync.all_reduce(on_cpu, codec=codec, residual=cpu_residual)
+            gradsync.all_reduce(on_gpu, codec=codec, residual=gpu_residual)
+            same[(codec, "big slices, feedback")] = (same_bits_up_to_nan_payload(on_gpu, on_cpu)
+                                                     and same_bits_up_to_nan_payload(gpu_residual, cpu_residual))
+    finally:
+        gradsync.distributed.SLICE_BYTES = saved
     return same
 
 

@@ -99,9 +99,22 @@ def test_random_bit_patterns_match_cpu():
         b = gradsync.compress(x.cuda(), codec).cpu()
         if a.is_floating_point():
             ok = torch.isfinite(a.float())
-            assert same_bits(a[ok], b[ok]), codec
+            assert same_bits(a[ok], b[ok]) and torch.equal(torch.isfinite(b.float()), ok), codec
         else:
             assert torch.equal(a, b), codec
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_codecs_match_cpu_bitwise_at_edge_sizes(codec):
+    # empty, one element, around one fp8 block, and more elements than one pass of the largest grid
+    for n in (0, 1, 127, 128, 129, (1 << 22) + 129):
+        x = random_floats(n, low_exp=-20, high_exp=20)  # finite, some beyond fp16's range
+        a = gradsync.compress(x, codec, scale=0.3)
+        b = gradsync.compress(x.cuda(), codec, scale=0.3).cpu()
+        assert same_bits(a, b), (codec, n)
+        c = gradsync.decompress(a, codec, n, scale=2.0)
+        d = gradsync.decompress(a.cuda(), codec, n, scale=2.0).cpu()
+        assert same_bits(c, d), (codec, n)
 
 
 def test_big_buffer_and_current_stream():
