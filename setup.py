@@ -119,6 +119,10 @@ def main():
     # torch picks the C++ standard it needs. No fused multiply-add contraction: the CPU (scalar and
     # AVX2) and CUDA kernels must round every product and sum the same way to stay bitwise twins.
     cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
+    # at::parallel_for is inline: without -fopenmp it runs every CPU kernel on one thread. Linked as
+    # libgomp.so.1, which resolves to the copy torch has already loaded: one OpenMP thread pool.
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cxx_flags += openmp
     include_dirs = [str(ROOT / "csrc")]
     if with_cuda:
         flavour = "cu" + torch.version.cuda.replace(".", "")
@@ -131,12 +135,12 @@ def main():
             define_macros=[("GRADSYNC_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--fmad=false"]},
             extra_link_args=[f"-L{nccl_lib}", "-l:libnccl.so.2",
-                             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"],
+                             "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"] + openmp,
         )
     else:
         flavour, arch_list = "cpu", None
         ext = CppExtension("gradsync._C", sources=sources["core"] + sources["bindings"],
-                           include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+                           include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp)
     version = f"{BASE_VERSION}+{flavour}{tag}"
     write_build_info(version, flavour, arch_list)
     setup(

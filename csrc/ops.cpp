@@ -3,6 +3,7 @@
 // kernels against misuse of the private module.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -194,6 +195,14 @@ void set_isa(const std::string& name) {
               "' is unknown or not supported by this CPU (choose auto, avx2 or scalar)");
 }
 
+// How many threads at::parallel_for gives the CPU kernels now: torch's intra-op thread count, or 1
+// in an extension built without torch's parallel backend (at::parallel_for is inline).
+int cpu_kernel_threads() {
+  std::atomic<int> tasks{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { ++tasks; });
+  return tasks.load();
+}
+
 py::dict build_info() {
   py::dict info;
   info["torch"] = TORCH_VERSION;
@@ -233,6 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_decode", &fp8_decode, "Block-scaled fp8 decode", nogil);
   m.def("set_cpu_isa", &set_isa, "Select the CPU kernels' instruction set: auto, avx2 or scalar");
   m.def("cpu_isa", []() { return std::string(cpu_isa()); });
+  m.def("cpu_kernel_threads", &cpu_kernel_threads);
   m.def("build_info", &build_info);
   m.def("nccl_runtime_version", &nccl_runtime_version);
   bind_ring(m);

@@ -27,7 +27,7 @@ def report():
         ("NCCL linked", f"{_C.nccl_runtime_version()} (headers {info['nccl_compiled']})" if cuda else "none (CPU build)"),
         ("torch built against", _build_info.torch_version),
         ("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__),
-        ("CPU kernels", f"{_C.cpu_isa()} on {platform.machine()}, {torch.get_num_threads()} threads"),
+        ("CPU kernels", f"{_C.cpu_isa()} on {platform.machine()}, {_C.cpu_kernel_threads()} threads"),
         ("fp8 block size", str(info["fp8_block_size"])),
     ]
     rows += [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())]

@@ -31,6 +31,17 @@ def test_report_names_versions_and_devices(tmp_path):
         assert words in result.stdout
 
 
+def test_cpu_kernels_use_torchs_intra_op_threads():
+    # at::parallel_for is inline: an extension compiled without torch's OpenMP runs it on one thread
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert gradsync._C.cpu_kernel_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_nccl_hop_benchmark_needs_a_cuda_build():
     if gradsync._C.build_info()["cuda"] is None:
         with pytest.raises(RuntimeError, match="built without CUDA"):
