@@ -17,12 +17,13 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($python -c \
   "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null || echo 9.0)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure explains itself in the logs
+export GRADSYNC_CUDA=${GRADSYNC_CUDA:-1}  # no silent CPU-only build when the toolkit is not found
 started=$SECONDS
 status=0
 
 { date -u; nvidia-smi; which nvcc; nvcc --version; echo "CUDA_HOME=${CUDA_HOME:-}"; $python --version
   $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-  $python -c "import glob, os, nvidia.nccl as m; d = os.path.dirname(m.__file__)
+  $python -c "import glob, nvidia.nccl as m; d = list(m.__path__)[0]  # a namespace package: no __file__
 print('nvidia-nccl:', glob.glob(d + '/include/nccl.h'), glob.glob(d + '/lib/libnccl.so*'))"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
