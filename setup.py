@@ -121,7 +121,8 @@ def main():
     cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     # at::parallel_for is inline: without -fopenmp it runs every CPU kernel on one thread. Linked as
     # libgomp.so.1, which resolves to the copy torch has already loaded: one OpenMP thread pool.
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    # (GCC's flag; torch's macOS wheels bring an OpenMP that needs others)
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
     cxx_flags += openmp
     include_dirs = [str(ROOT / "csrc")]
     if with_cuda:
