@@ -6,7 +6,8 @@
 gloo on CPU, NCCL for CUDA (--device cuda). Sizes are those of the fp32 gradient buffer. Columns as in
 nccl-tests: algbw = S / t and busbw = algbw * 2(n-1)/n, both in fp32 bytes, so that a compressed
 wire shows up as a higher bandwidth; error is the relative L2 error of the averaged result against
-an fp64 all-reduce of the same inputs. Rows of one size are measured in one run, interleaved.
+an fp64 all-reduce of the same inputs. Rows of one size are measured in one run, interleaved: the
+implementations take turns in --rounds rounds, and each row is the median of all its calls.
 """
 import argparse
 import os
@@ -55,7 +56,9 @@ def with_feedback(codec, group):
     return run
 
 
-def implementations(n, group, feedback=False):
+def implementations(n, group, feedback=False, numel=None, device=None):
+    """{name: (fn, wire bytes per element)}; with a numel and CPU tensors that take gradsync's direct
+    exchange, also gradsync fp16 through the ring ("gradsync fp16 ring"), side by side."""
     def torch_fp32(x):
         dist.all_reduce(x, group=group)
         x.div_(n)
@@ -65,16 +68,28 @@ def implementations(n, group, feedback=False):
         dist.all_reduce(t, group=group)
         x.copy_(t)
 
+    def through_the_ring(x):  # what small buffers take without the direct exchange
+        saved = gradsync.distributed.DIRECT_BYTES
+        gradsync.distributed.DIRECT_BYTES = 0
+        try:
+            gradsync.all_reduce(x, codec="fp16", group=group)
+        finally:
+            gradsync.distributed.DIRECT_BYTES = saved
+
     impls = {"torch fp32": (torch_fp32, 4), "torch fp16 hook path": (torch_fp16_hook, 2)}
     for codec in gradsync.CODECS:
         wire = {"none": 4, "fp16": 2, "bf16": 2}.get(codec, 1 + 4 / 128)
         impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), wire)
         if feedback and codec != "none":
             impls[f"gradsync {codec}+ef"] = (with_feedback(codec, group), wire)
+    if numel and device is not None and device.type == "cpu" and 1 < n <= 8 and \
+            numel * 2 <= gradsync.distributed.DIRECT_BYTES:
+        impls["gradsync fp16 ring"] = (through_the_ring, 2)
     return impls
 
 
-def time_call(fn, x, original, device, iters, group):
+def time_calls(fn, x, original, device, iters, group):
+    """Seconds of `iters` calls, each on a fresh copy of the input, started together on every rank."""
     samples = []
     for _ in range(iters):
         x.copy_(original)
@@ -84,9 +99,19 @@ def time_call(fn, x, original, device, iters, group):
         fn(x)
         common.sync(device)
         samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def slowest_median_ms(samples, device, group):
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)  # NCCL moves CUDA tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's median
     return float(t) * 1e3
+
+
+def round_sizes(iters, rounds=None):
+    """`iters` calls cut into `rounds` (at most `iters`, by default `iters`) nearly equal rounds."""
+    rounds = iters if rounds is None else max(1, min(rounds, iters))
+    return [iters // rounds + (r < iters % rounds) for r in range(rounds)]
 
 
 def p2p_latency(device, iters=200):
@@ -128,19 +153,26 @@ def bench(args, device):
         reference /= n
         x = torch.empty_like(original)
         iters = max(3, min(args.max_iters, int(args.budget_bytes // max(size, 1))))
-        base_ms = None
-        for name, (fn, wire_per_elem) in implementations(n, None, args.feedback).items():
-            if args.impls and not any(s in name for s in args.impls):
-                continue
+        impls = {name: impl for name, impl in implementations(n, None, args.feedback, numel, device).items()
+                 if not args.impls or any(s in name for s in args.impls)}
+        errors, samples = {}, {name: [] for name in impls}
+        for name, (fn, _) in impls.items():
             x.copy_(original)
             fn(x)  # warm-up: workspaces, connections
-            err = relative_error(x, reference)
-            ms = time_call(fn, x, original, device, iters, None)
+            errors[name] = relative_error(x, reference)
+        # The implementations take turns round by round, so that a slow spell of the machine (here a
+        # second or so in which a rank waits for a core more than usual) falls on all of them.
+        for calls in round_sizes(iters, args.rounds):
+            for name, (fn, _) in impls.items():
+                samples[name] += time_calls(fn, x, original, device, calls, None)
+        base_ms = None
+        for name, (_, wire_per_elem) in impls.items():
+            ms = slowest_median_ms(samples[name], device, None)
             base_ms = ms if name == "torch fp32" else base_ms
             algbw = size / ms / 1e6
             rows.append({"bytes": size, "count": numel, "impl": name, "time_ms": ms, "algbw": algbw,
                          "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": int(numel * wire_per_elem),
-                         "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": err})
+                         "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": errors[name]})
         if dist.get_rank() == 0:
             print(f"# done: {common.format_bytes(size)}", file=sys.stderr, flush=True)
         size *= args.step
@@ -179,6 +211,11 @@ def main():
     parser.add_argument("--max-iters", type=int, default=200,
                         help="small messages are latency-bound and their times scatter (a rank waits for a core "
                              "now and then): the median of fewer than ~200 moves by +-30 %% between runs")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="the implementations take turns in this many rounds of each size's iterations (default: "
+                             "one call each per round; 1: each runs all its calls at once, which lets a slow spell of "
+                             "the machine fall on one row: rows of 256 KB or less then moved by up to 56 %% between "
+                             "runs, against 15-18 %% when interleaved)")
     parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
     parser.add_argument("--feedback", action="store_true",
                         help="also time every compressing codec with error feedback (+ef: a residual kept across calls)")
@@ -206,7 +243,8 @@ def main():
     if rank == 0:
         common.print_table(title, rows, columns)
         if args.json:
-            meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__}
+            meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__,
+                    "direct_bytes": gradsync.distributed.DIRECT_BYTES if device.type == "cpu" else 0}
             if not args.accuracy:
                 meta["p2p_latency_us"] = latency * 1e6
                 print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")

@@ -108,9 +108,9 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 // The record every rank must agree on before the ring starts.
-RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems) {
+RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct) {
   return RingCall{t.numel(), static_cast<int32_t>(dtype_of(t)), static_cast<int32_t>(o.codec),
-                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems};
+                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems, direct ? 1 : 0, 0};
 }
 }  // namespace
 
@@ -206,8 +206,12 @@ void RingEngine::execute(Job& job) {
   if (t.is_cuda() && nccl_) return execute_nccl(job, plan, slice_elems);
 #endif
 
+  // host kernels only: the CUDA twins of its final sum do not exist
+  const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
+  const bool direct = !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
+                      payload_bytes <= o.direct_bytes;
   if (o.check_call) {
-    const RingCall call = ring_call(t, o, slice_elems);
+    const RingCall call = ring_call(t, o, slice_elems, direct);
     check_ring_call(transport_, call, tag_base + ring_tag_span(plan));
   }
   std::unique_ptr<CodecRingKernels> kernels;
@@ -229,6 +233,12 @@ void RingEngine::execute(Job& job) {
                                                static_cast<float>(o.postscale));
   }
   set_error_feedback(*kernels, job);
+  if (direct) {
+    uint8_t* recv_image = workspace(recv_image_, direct_image_bytes(*kernels, t.numel(), n), at::kCPU, false);
+    uint8_t* send_image = workspace(send_image_, payload_bytes, at::kCPU, false);
+    return direct_allreduce(transport_, static_cast<CpuRingKernels&>(*kernels), t.numel(), recv_image, send_image,
+                            tag_base);
+  }
   std::vector<int64_t> offsets;
   const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
   uint8_t* recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
@@ -260,7 +270,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     }
   };
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
-    const RingCall call = ring_call(t, o, slice_elems);
+    const RingCall call = ring_call(t, o, slice_elems, false);
     const int64_t record = sizeof(RingCall);
     at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
     auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
@@ -340,12 +350,12 @@ void bind_ring(pybind11::module& m) {
       .def(
           "all_reduce",
           [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,
-             int64_t slice_bytes, std::optional<at::Tensor> residual) {
+             int64_t slice_bytes, std::optional<at::Tensor> residual, int64_t direct_bytes) {
             return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes,
-                                                               residual.value_or(at::Tensor())});
+                                                               residual.value_or(at::Tensor()), direct_bytes});
           },
           py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
-          py::arg("slice_bytes"), py::arg("residual") = py::none());
+          py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0);
 }
 
 }  // namespace gradsync

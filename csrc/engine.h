@@ -47,6 +47,7 @@ struct RingOptions {
   bool check_call;
   int64_t slice_bytes;
   at::Tensor residual;  // undefined, or fp32 like the tensor: error feedback (see CodecRingKernels)
+  int64_t direct_bytes = 0;  // CPU payloads up to this size go through direct_allreduce, not the ring
 };
 
 class RingEngine {

@@ -29,6 +29,12 @@ microseconds) while a GPU moves a slice of 1 MB in a few: so slices of 32 to 128
 slice per chunk below 32 MB. What slicing would hide there is only the per-hop kernel, several times
 faster than the link (gradsync.model chooses this value; see README, "Where it pays")."""
 
+DIRECT_BYTES = 64 << 10
+"""Payloads up to this size (per rank, on the wire) skip the ring in groups of up to 8 ranks, for CPU
+tensors: every rank sends its encoded contribution to every other at once and sums all of them in rank
+order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1) payloads sent instead
+of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
+
 _engines = {}
 
 
@@ -188,7 +194,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
     engine = _engine(group, tensor)
     slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
-    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual)
+    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual,
+                             DIRECT_BYTES)
     handle = AllReduceWork(work, tensor)
     if async_op:
         return handle

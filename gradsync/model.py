@@ -34,6 +34,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
+DIRECT_BYTES = 64 << 10  # gradsync.distributed.DIRECT_BYTES
 NCCL_SLICE_BYTES = 128 << 20  # gradsync.distributed.NCCL_SLICE_BYTES
 DIRECT_EXCHANGE_RANKS = 8  # kDirectExchangeRanks in csrc/ring/ring_allreduce.h
 ALIGN = 128            # elements; chunks and slices are multiples of the fp8 block
@@ -41,6 +42,8 @@ WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8_e4m3": 1 + 4 / 128, "f
 CODECS = tuple(WIRE_BYTES)
 TORCH = "torch fp32"
 IMPLS = (TORCH,) + tuple(f"gradsync {c}" for c in CODECS)
+RING_FP16 = "gradsync fp16 ring"  # bench_allreduce.py: small buffers kept on the ring, beside the direct exchange
+VALIDATED_IMPLS = IMPLS + (RING_FP16,)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Link:
     bucket: float = 0.0  # an emulated link's token bucket, in seconds at line rate: idle time it gives back
     quiet_latency: float = None  # a hop's latency while the other ranks idle, where that is less (ranks sharing cores)
     shared_cores: bool = False  # the ranks take turns on one host's cores (an emulated cluster)
+    direct_latency: float = None  # an exchange of every rank with every other, where it differs from a hop
 
     def step_latency(self, active, n):
         """A ring step's hop latency with `active` of the n ranks moving data at once. `latency` holds
@@ -67,7 +71,8 @@ class Kernels:
     and `network`: seconds of the rank's own processor per wire byte it sends and receives (a host TCP
     stack; 0 where the NIC moves the data by DMA). Where a host drives a device, `hop` is the host's
     seconds to issue one hop (a transfer and its kernel), which the device cannot outrun, and
-    `slice_bytes` the transport's slice cap (gradsync.distributed)."""
+    `slice_bytes` the transport's slice cap (gradsync.distributed). `direct_bytes`: payloads up to
+    this size take the direct exchange instead of the ring (host kernels only; 0 on a GPU)."""
     name: str
     encode: dict
     reduce_encode: dict
@@ -76,12 +81,14 @@ class Kernels:
     network: float = 0.0
     hop: float = 0.0
     slice_bytes: int = SLICE_BYTES
+    direct_bytes: int = 0
 
     def scaled(self, factor, name=None):
         """The same kernels run `factor` times slower (e.g. ranks sharing a core)."""
         scale = lambda d: {k: v * factor for k, v in d.items()}  # noqa: E731
-        return Kernels(name or f"{self.name} x{factor:g}", scale(self.encode), scale(self.reduce_encode),
-                       scale(self.decode), self.add * factor, self.network * factor, self.hop * factor, self.slice_bytes)
+        return replace(self, name=name or f"{self.name} x{factor:g}", encode=scale(self.encode),
+                       reduce_encode=scale(self.reduce_encode), decode=scale(self.decode), add=self.add * factor,
+                       network=self.network * factor, hop=self.hop * factor)
 
 
 def memory_bound_kernels(bandwidth, name, hop=0.0, slice_bytes=SLICE_BYTES):
@@ -122,7 +129,8 @@ def cpu_kernels(path):
         dec[codec] = per_elem[f"gradsync decompress({measured})"]
     red = {c: enc[c] + dec[c] for c in CODECS}
     red["none"] = 12 / copy
-    return Kernels(f"CPU kernels measured ({path.rsplit('/', 1)[-1]}, {case})", enc, red, dec, 12 / copy)
+    return Kernels(f"CPU kernels measured ({path.rsplit('/', 1)[-1]}, {case})", enc, red, dec, 12 / copy,
+                   direct_bytes=DIRECT_BYTES)
 
 
 def _round_up(x, k=ALIGN):
@@ -144,6 +152,30 @@ def _exposed(wire, compute):
     return lo * lo / hi if hi > 0 else 0.0
 
 
+def payload_bytes(numel, codec):
+    """Bytes on the wire for `numel` fp32 elements (gradsync.payload_nbytes)."""
+    if codec.startswith("fp8"):
+        return _round_up(numel, 16) + 4 * -(-numel // 128)
+    return numel * int(WIRE_BYTES[codec])
+
+
+def takes_direct_exchange(numel, n, codec, direct_bytes):
+    """Whether gradsync skips the ring for this buffer (csrc/engine.cpp)."""
+    return 1 < n <= DIRECT_EXCHANGE_RANKS and 0 < payload_bytes(numel, codec) <= direct_bytes
+
+
+def direct_time(numel, n, link, kernels, codec, check_call=True):
+    """Seconds for gradsync's direct exchange of a small buffer: the agreement check and the exchange,
+    each every rank with every other at once (a latency each), then n-1 payloads out of and into
+    each rank; the rank encodes its contribution and decodes all n. A full token bucket lets the
+    payloads through at once, up to its size."""
+    a = link.latency if link.direct_latency is None else link.direct_latency
+    out = (n - 1) * numel * WIRE_BYTES[codec]
+    wire = max(0.0, out / link.bandwidth - link.bucket)
+    compute = numel * (kernels.encode[codec] + n * kernels.decode[codec]) + 2 * out * kernels.network
+    return (a if check_call else 0.0) + a + wire + compute
+
+
 def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=None, check_call=True):
     """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
 
@@ -154,6 +186,8 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     """
     if n == 1 or numel == 0:
         return 0.0
+    if not plain and takes_direct_exchange(numel, n, codec, kernels.direct_bytes):
+        return direct_time(numel, n, link, kernels, codec, check_call)
     w = 4.0 if plain else WIRE_BYTES[codec]
     chunk = _round_up(-(-numel // n))
     active = n if plain else min(n, -(-numel // chunk))  # chunks with data: slices that move in each step
@@ -198,9 +232,12 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
 
 
 def allreduce_time(numel, n, link, kernels, impl, check_call=True):
-    """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does) or "gradsync <codec>"."""
+    """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does), "gradsync <codec>"
+    or RING_FP16 (gradsync fp16 without the direct exchange)."""
     if impl == TORCH:
         return ring_time(numel, n, link, kernels, plain=True) + numel * kernels.encode["none"]
+    if impl == RING_FP16:
+        kernels = replace(kernels, direct_bytes=0)
     return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call)
 
 
@@ -232,23 +269,32 @@ def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
     return (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
 
 
-def latency_hops(n, impl):
-    """Hop latencies on one all-reduce's critical path: 2(n-1) for a ring, plus the agreement check's."""
+def latency_hops(n, impl, direct=False):
+    """Hop latencies on one all-reduce's critical path: 2(n-1) for a ring, plus the agreement check's;
+    two exchanges for gradsync's direct path (the check, then the data)."""
     if impl == TORCH:
         return 2 * (n - 1)
+    if direct:
+        return 2
     return 2 * (n - 1) + (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1)
 
 
 def measured_latencies(netem):
     """Seconds per hop, from the latency-bound rows of a netem run (messages too small for the shaper
-    to engage), per implementation: gloo's all_reduce and gradsync's ring are different software.
-    The median over every such row and rate, as single rows here move by +-30 % between runs."""
-    n = netem["meta"]["ranks"]
-    per_hop = {TORCH: [], "gradsync": []}
+    to engage), per implementation: gloo's all_reduce, gradsync's ring and gradsync's direct exchange
+    are different software. The median over every such row and rate, as single rows here move by
+    +-30 % between runs."""
+    n, direct_bytes = netem["meta"]["ranks"], netem["meta"].get("direct_bytes", 0)
+    per_hop = {TORCH: [], "gradsync": [], "direct": []}
     for r in netem["rows"]:
-        if r["bytes"] <= LATENCY_BOUND_BYTES and r["impl"] in IMPLS:
-            per_hop[TORCH if r["impl"] == TORCH else "gradsync"].append(r["time_ms"] * 1e-3 / latency_hops(n, r["impl"]))
-    latencies = {k: statistics.median(v) for k, v in per_hop.items()}
+        if r["bytes"] > LATENCY_BOUND_BYTES or r["impl"] not in VALIDATED_IMPLS:
+            continue
+        if r["impl"] == TORCH:
+            per_hop[TORCH].append(r["time_ms"] * 1e-3 / latency_hops(n, TORCH))
+            continue
+        direct = r["impl"] != RING_FP16 and takes_direct_exchange(r["bytes"] // 4, n, r["impl"].split()[1], direct_bytes)
+        per_hop["direct" if direct else "gradsync"].append(r["time_ms"] * 1e-3 / latency_hops(n, r["impl"], direct))
+    latencies = {k: statistics.median(v) if v else None for k, v in per_hop.items()}
     quiet = [v for v in netem["meta"].get("p2p_latency_us", {}).values() if v]
     latencies["quiet"] = statistics.median(quiet) * 1e-6 if quiet else None
     return latencies
@@ -264,6 +310,7 @@ def emulated_setup(netem, kernels_path, loopback_path):
     kernels = cpu_kernels(kernels_path)
     with open(loopback_path) as f:
         kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
+    kernels = replace(kernels, direct_bytes=netem["meta"].get("direct_bytes", 0))  # 0: runs before it existed
     name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {EMULATED_CORES} cores"
     return measured_latencies(netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
 
@@ -274,12 +321,13 @@ def validate(netem, kernels_path, loopback_path, min_bytes=0):
     n = netem["meta"]["ranks"]
     out = []
     for r in netem["rows"]:
-        if r["impl"] not in IMPLS or r["bytes"] < min_bytes:
+        if r["impl"] not in VALIDATED_IMPLS or r["bytes"] < min_bytes:
             continue
         bps = r["rate_gbit"] * 1e9
         latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
         link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
-                    quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None, shared_cores=True)
+                    quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None, shared_cores=True,
+                    direct_latency=latencies["direct"])
         predicted = allreduce_time(r["bytes"] // 4, n, link, kernels, r["impl"]) * 1e3
         out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
                     "predicted_ms": predicted, "error": predicted / r["time_ms"] - 1})

@@ -1,5 +1,6 @@
 """gradsync.all_reduce on real processes over gloo: accuracy against fp64, bitwise agreement
 across ranks, subgroups, async calls, and every failure path."""
+import contextlib
 import hashlib
 import itertools
 import os
@@ -54,8 +55,26 @@ def error_ratio(result, inputs, codec, op, dtype_name, size, sums=None):
     return float(((result.double() - ref).abs() / bound).max()) if result.numel() else 0.0
 
 
-def run_cases(rank, size, cases):
-    """Runs every (numel, codec, dtype, op) case; returns {case: (error ratio, result digest)}."""
+@contextlib.contextmanager
+def direct_bytes(value):
+    """gradsync.distributed.DIRECT_BYTES (read at each call) set to `value` for a while; 0: the ring
+    at every size. The worlds' processes outlive a test, so it is always restored."""
+    saved = gradsync.distributed.DIRECT_BYTES
+    gradsync.distributed.DIRECT_BYTES = saved if value is None else value
+    try:
+        yield
+    finally:
+        gradsync.distributed.DIRECT_BYTES = saved
+
+
+def run_cases(rank, size, cases, direct=None):
+    """Runs every (numel, codec, dtype, op) case; returns {case: (error ratio, result digest)}.
+    ``direct``: DIRECT_BYTES for these calls (see direct_bytes)."""
+    with direct_bytes(direct):
+        return _run_cases(rank, size, cases)
+
+
+def _run_cases(rank, size, cases):
     out = {}
     prepared = {}
     for numel, codec, dtype_name, op in cases:
@@ -92,6 +111,39 @@ def test_every_codec_dtype_op_and_size_matches_fp64(worlds, size):
     cases = [(n, codec, dtype, op) for n in numels for dtype in DTYPES for codec in gradsync.CODECS
              for op in ("avg", "sum") if n < 2**20 or dtype == "float32"]
     check_results(worlds(size).run(run_cases, cases))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_small_buffers_through_the_ring_match_fp64(worlds, size):
+    """The sizes that take the direct exchange by default, through the ring instead."""
+    cases = [(n, codec, dtype, op) for n in sorted({1, size - 1, 1009}) for dtype in DTYPES
+             for codec in gradsync.CODECS for op in ("avg", "sum")]
+    check_results(worlds(size).run(run_cases, cases, 0))
+
+
+def direct_exchange_calls(rank, size):
+    """Small buffers: every contribution encoded once, all of them decoded and added in rank order
+    in fp32, then scaled and cast: the bits of that sum computed here with gradsync's codecs."""
+    same = {}
+    for codec, (dtype_name, dtype), op in itertools.product(gradsync.CODECS, DTYPES.items(), ("avg", "sum")):
+        numel = 5003
+        inputs = [rank_input(r, numel, dtype, seed=11) for r in range(size)]
+        prescale, postscale = resolve_scales(op, size)
+        total = None
+        for x in inputs:
+            term = gradsync.decompress(gradsync.compress(x, codec, scale=prescale), codec, numel)
+            total = term if total is None else total + term
+        expected = (total * postscale).to(dtype)
+        x = inputs[rank].clone()
+        gradsync.all_reduce(x, op=op, codec=codec)
+        same[(codec, dtype_name, op)] = torch.equal(x.view(torch.uint8), expected.view(torch.uint8))
+    return same
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_small_buffers_sum_every_rank_s_encoded_contribution_in_rank_order(worlds, size):
+    for same in worlds(size).run(direct_exchange_calls):
+        assert all(same.values()), [case for case, ok in same.items() if not ok]
 
 
 def test_sixteen_million_elements(worlds):
@@ -174,9 +226,8 @@ def test_the_future_holds_the_reduced_tensor(worlds):
     assert all(worlds(2).run(future_calls))
 
 
-def error_feedback_calls(rank, size, codec):
+def error_feedback_calls(rank, size, codec, numel):
     """The residuals of all ranks sum to the result's error; repeated calls pay it back."""
-    numel = 70001
     inputs = [rank_input(r, numel, torch.float32, seed=4) for r in range(size)]
     exact = torch.stack([x.double() for x in inputs]).sum(0) / size
     residual = torch.zeros(numel)
@@ -200,9 +251,10 @@ def error_feedback_calls(rank, size, codec):
     return accounted, one_call, averaged, digest(x)
 
 
+@pytest.mark.parametrize("numel", [70001, 5001])  # the ring; the direct exchange of small buffers
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
-def test_error_feedback_residuals_account_for_the_error(worlds, codec):
-    results = worlds(3).run(error_feedback_calls, codec)
+def test_error_feedback_residuals_account_for_the_error(worlds, codec, numel):
+    results = worlds(3).run(error_feedback_calls, codec, numel)
     assert len({r[3] for r in results}) == 1
     accounted, one_call, averaged, _ = results[0]
     assert accounted < 1e-6 < one_call
@@ -211,14 +263,14 @@ def test_error_feedback_residuals_account_for_the_error(worlds, codec):
 
 def disagreeing_calls(rank, size):
     messages = []
-    for kind in ("numel", "dtype", "codec", "scale"):
+    for kind in ("numel", "dtype", "codec", "scale", "schedule"):
         numel = 1000 + (rank if kind == "numel" else 0)
         dtype = torch.float16 if kind == "dtype" and rank == size - 1 else torch.float32
         codec = "fp8_e5m2" if kind == "codec" and rank == 0 else "fp16"
         prescale = 0.5 if kind == "scale" and rank == 1 else None
         x = torch.randn(numel).to(dtype)
         before = x.clone()
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(ValueError) as info, direct_bytes(0 if kind == "schedule" and rank == 2 else None):
             gradsync.all_reduce(x, codec=codec, prescale=prescale)
         assert torch.equal(x, before), "a failed call wrote into the tensor"
         messages.append(str(info.value))

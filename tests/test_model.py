@@ -53,6 +53,27 @@ def test_infinite_bandwidth_is_bound_by_the_kernels_each_rank_runs():
     assert t == pytest.approx(NUMEL / n * (enc + (n - 1) * red) + NUMEL * dec, rel=1e-6)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_small_buffer_is_one_exchange_after_the_check(n):
+    small = 4096  # fp32 elements: 8 KB of fp16 per rank, within DIRECT_BYTES
+    direct = replace(FREE, direct_bytes=model.DIRECT_BYTES)
+    fast = link(bandwidth=math.inf, latency=1e-5)
+    assert model.ring_time(small, n, fast, direct, "fp16") == pytest.approx(2e-5)
+    assert model.ring_time(small, n, fast, direct, "fp16", check_call=False) == pytest.approx(1e-5)
+    # every rank sends its payload to each of the n - 1 others
+    assert model.ring_time(small, n, link(), direct, "fp16", check_call=False) == pytest.approx((n - 1) * small * 2 / 1e9)
+    assert model.allreduce_time(small, n, fast, direct, model.RING_FP16) == pytest.approx((2 * (n - 1) + 1) * 1e-5)
+
+
+def test_the_direct_exchange_covers_small_payloads_of_small_groups_only():
+    limit = model.DIRECT_BYTES
+    assert model.takes_direct_exchange(limit // 2, 4, "fp16", limit)
+    assert not model.takes_direct_exchange(limit // 2 + 1, 4, "fp16", limit)
+    assert not model.takes_direct_exchange(16, 9, "fp16", limit) and not model.takes_direct_exchange(16, 1, "fp16", limit)
+    assert model.payload_bytes(1000, "fp8_e4m3") == 1008 + 4 * 8  # codes, padding to 16, a scale per 128
+    assert not model.takes_direct_exchange(16, 4, "fp16", 0)  # the GPU ring: direct_bytes 0
+
+
 def test_one_rank_or_nothing_costs_nothing():
     assert model.ring_time(NUMEL, 1, link(), FREE, "fp8_e4m3") == 0.0
     assert model.ring_time(0, 8, link(), FREE, "fp16") == 0.0
@@ -99,6 +120,7 @@ def test_a_host_that_issues_every_hop_bounds_the_ring():
 def test_the_nccl_slice_cap_is_the_one_the_model_chooses():
     from gradsync import distributed  # noqa: F401  (needs the built package: the constants must agree)
     assert model.NCCL_SLICE_BYTES == distributed.NCCL_SLICE_BYTES and model.SLICE_BYTES == distributed.SLICE_BYTES
+    assert model.DIRECT_BYTES == distributed.DIRECT_BYTES and model.GPU_ASSUMED.direct_bytes == 0
     assert model.GPU_ASSUMED.slice_bytes == model.NCCL_SLICE_BYTES
     regrets = model.slice_regrets()
     least = min(r for r, _ in regrets.values())

@@ -61,6 +61,24 @@ void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
   }
 }
 
+void CpuRingKernels::decode_fp32(const void* in, int64_t n, float* out) const {
+  if (fp8()) {
+    fp8_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), n, 1.0f, out, DType::kFloat32, 0, fp8_num_blocks(n));
+  } else {
+    convert_cpu(in, wire_, out, DType::kFloat32, n, 1.0f, /*cache_result=*/true);
+  }
+}
+
+void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t n) {
+  std::vector<float> sum(static_cast<size_t>(n)), term(static_cast<size_t>(n));
+  decode_fp32(payloads[0], n, sum.data());
+  for (int i = 1; i < count; ++i) {
+    decode_fp32(payloads[i], n, term.data());
+    for (int64_t j = 0; j < n; ++j) sum[j] += term[j];
+  }
+  convert_cpu(sum.data(), DType::kFloat32, result_at(0), dtype_, n, postscale_);
+}
+
 void* CpuRingKernels::result_as_payload(int64_t begin) {
   return codec_ == Codec::kNone && postscale_ == 1.0f ? result_at(begin) : nullptr;
 }
@@ -99,9 +117,10 @@ void compare_ring_calls(const RingCall* table, int n) {
     const RingCall& c = table[i];
     if (std::memcmp(&c, &table[0], sizeof(RingCall)) != 0) {
       diff << " rank " << i << " has numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec
-           << ", prescale " << c.prescale << ", postscale " << c.postscale << " but rank 0 has numel "
-           << table[0].numel << ", dtype " << table[0].dtype << ", codec " << table[0].codec << ", prescale "
-           << table[0].prescale << ", postscale " << table[0].postscale << ";";
+           << ", prescale " << c.prescale << ", postscale " << c.postscale << ", schedule "
+           << (c.direct ? "direct" : "ring") << " but rank 0 has numel " << table[0].numel << ", dtype "
+           << table[0].dtype << ", codec " << table[0].codec << ", prescale " << table[0].prescale << ", postscale "
+           << table[0].postscale << ", schedule " << (table[0].direct ? "direct" : "ring") << ";";
     }
   }
   if (!diff.str().empty()) {
@@ -279,6 +298,29 @@ void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, ui
   }
   if (t.posts_receives_ahead()) ring_posted_ahead(layout);
   else ring_paired(layout);
+}
+
+int64_t direct_image_bytes(const RingKernels& kernels, int64_t numel, int ranks) {
+  return ranks * ((kernels.payload_bytes(numel) + 15) / 16 * 16);
+}
+
+void direct_allreduce(Transport& t, CpuRingKernels& kernels, int64_t numel, uint8_t* recv_image, uint8_t* send_image,
+                      uint32_t tag) {
+  const int n = t.size(), r = t.rank();
+  const int64_t bytes = kernels.payload_bytes(numel), stride = direct_image_bytes(kernels, numel, 1);
+  std::vector<const void*> payloads(static_cast<size_t>(n));
+  kernels.encode(0, numel, send_image);
+  payloads[r] = send_image;
+  t.group_begin();  // everything posted before any wait, as a rendezvous transport needs
+  for (int s = 1; s < n; ++s) {
+    const int peer = mod(r - s, n);
+    payloads[peer] = recv_image + peer * stride;
+    t.recv(recv_image + peer * stride, bytes, peer, tag);
+  }
+  for (int s = 1; s < n; ++s) t.send(send_image, bytes, mod(r + s, n), tag);
+  t.group_end();
+  t.wait_all();
+  kernels.sum_decoded(payloads.data(), n, numel);
 }
 
 }  // namespace gradsync

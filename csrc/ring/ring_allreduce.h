@@ -65,9 +65,13 @@ class CpuRingKernels : public CodecRingKernels {
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
   void* result_as_payload(int64_t begin) override;
+  // result[0, n) = (decode(payloads[0]) + decode(payloads[1]) + ...) * postscale, added in fp32 in
+  // that order
+  void sum_decoded(const void* const* payloads, int count, int64_t n);
 
  private:
   void reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out);  // in may be null
+  void decode_fp32(const void* in, int64_t n, float* out) const;
 };
 
 #ifdef GRADSYNC_WITH_CUDA
@@ -99,6 +103,8 @@ struct RingCall {
   float prescale;
   float postscale;
   int64_t slice_elems;
+  int32_t direct;  // 1: direct_allreduce, 0: the ring
+  int32_t unused;
 };
 
 // Tags of one call occupy [tag_base, tag_base + ring_tag_span(plan)).
@@ -123,5 +129,15 @@ void compare_ring_calls(const RingCall* table, int n);
 // during the all-gather can leave the result partly written.
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
+
+// For buffers so small that the ring's 2(n-1) hop latencies dominate: every rank sends its encoded
+// contribution to every other in one exchange (one hop of latency; n-1 payloads out and n-1 in),
+// then sums the n decoded contributions in rank order in fp32. Each contribution is rounded to the
+// wire format once, its own rank's included, and every rank adds the same values in the same
+// order, so the result is bitwise identical on every rank. `recv_image` holds
+// direct_image_bytes(...) bytes, `send_image` one payload; messages use the one tag `tag`.
+int64_t direct_image_bytes(const RingKernels& kernels, int64_t numel, int ranks);
+void direct_allreduce(Transport& transport, CpuRingKernels& kernels, int64_t numel, uint8_t* recv_image,
+                      uint8_t* send_image, uint32_t tag);
 
 }  // namespace gradsync

@@ -34,10 +34,10 @@ class Hub {
     bool done = false;
     std::string error;
   };
-  std::shared_ptr<Message> post(int src, int dst, uint32_t tag, const void* send, void* recv, int64_t bytes) {
+  std::shared_ptr<Message> post(int src, int dst, uint32_t tag, bool is_send, const void* send, void* recv,
+                                int64_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& queue = pending_[{src, dst, tag}];
-    const bool is_send = send != nullptr;
     std::shared_ptr<Message> m;
     for (auto& candidate : queue) {  // the oldest message still missing this side
       if ((is_send ? candidate->send_bytes : candidate->recv_bytes) < 0) { m = candidate; break; }
@@ -86,12 +86,12 @@ class LocalTransport : public Transport {
       sent_.emplace_back(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + bytes);
       data = sent_.back().data();
     }
-    messages_.push_back(hub_.post(rank_, peer, in_order_ ? 0 : tag, data, nullptr, bytes));
+    messages_.push_back(hub_.post(rank_, peer, in_order_ ? 0 : tag, true, data, nullptr, bytes));
     return static_cast<int64_t>(messages_.size()) - 1;
   }
   int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
     if (depth_ == 0) serialize();
-    messages_.push_back(hub_.post(peer, rank_, in_order_ ? 0 : tag, nullptr, data, bytes));
+    messages_.push_back(hub_.post(peer, rank_, in_order_ ? 0 : tag, false, nullptr, data, bytes));
     return static_cast<int64_t>(messages_.size()) - 1;
   }
   void wait(int64_t handle) override {
@@ -145,7 +145,8 @@ void check_plan(int64_t numel, int ranks, int64_t slice) {
   CHECK(image == expected_end, "image size %ld", long(image));
 }
 
-void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool in_order) {
+// `direct`: direct_allreduce instead of the ring.
+void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool in_order, bool direct = false) {
   std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
   std::vector<double> exact(numel, 0.0);
   std::mt19937 rng(static_cast<uint32_t>(numel * 31 + ranks));
@@ -166,25 +167,31 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
         LocalTransport transport(hub, r, ranks, in_order);
         CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
         std::vector<int64_t> offsets;
-        const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+        const int64_t bytes = direct ? direct_image_bytes(kernels, numel, ranks)
+                                     : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
         std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), 1.0f, 1.0f, slice}, 1u << 20);
-        ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), 1.0f, 1.0f, slice, direct}, 1u << 20);
+        if (direct) direct_allreduce(transport, kernels, numel, recv_image.data(), send_image.data(), 0);
+        else ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r) CHECK(errors[r].empty(), "rank %d: %s", r, errors[r].c_str());
+  for (int r = 0; r < ranks; ++r) {
+    CHECK(errors[r].empty(), "ranks %d numel %ld codec %d%s%s: rank %d: %s", ranks, long(numel), int(codec),
+          in_order ? ", in order" : "", direct ? ", direct" : "", r, errors[r].c_str());
+  }
   for (int r = 1; r < ranks; ++r) {
     CHECK(std::memcmp(data[r].data(), data[0].data(), numel * 4) == 0, "ranks %d numel %ld codec %d: rank %d differs",
           ranks, long(numel), int(codec), r);
   }
-  // fp8: at most one rounding of relative size `rel` per hop, of partial sums below 8 * ranks
+  // fp8: at most one rounding of relative size `rel` per hop, of partial sums below 8 * ranks; the
+  // direct exchange rounds only each contribution, below 8, once
   const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
   for (int64_t i = 0; i < numel; ++i) {
-    const double tolerance = ranks * rel * 8.0 * ranks;
+    const double tolerance = ranks * rel * 8.0 * (direct ? 1 : ranks);
     CHECK(std::fabs(data[0][i] - exact[i]) <= tolerance, "ranks %d numel %ld codec %d: [%ld] %g vs %g", ranks,
           long(numel), int(codec), long(i), data[0][i], exact[i]);
   }
@@ -202,7 +209,10 @@ int main() {
   for (int ranks = 1; ranks <= 5; ++ranks) {
     for (int64_t numel : {0L, 1L, static_cast<int64_t>(ranks - 1), 127L, 129L, 1009L, 40000L}) {
       for (Codec codec : codecs) {
-        for (bool in_order : {false, true}) check_allreduce(ranks, numel, codec, 256, in_order);
+        for (bool in_order : {false, true}) {
+          check_allreduce(ranks, numel, codec, 256, in_order);
+          check_allreduce(ranks, numel, codec, 256, in_order, /*direct=*/true);
+        }
       }
     }
   }
@@ -215,8 +225,8 @@ int main() {
   // a disagreeing rank makes every rank throw, and agreeing ones none, in direct and in ring
   // exchanges, with either matching
   for (int ranks : {2, 3, kDirectExchangeRanks, kDirectExchangeRanks + 1, 11}) {
-    for (int variant = 0; variant < 4; ++variant) {
-      const bool in_order = variant & 1, disagree = variant & 2;
+    for (int variant = 0; variant < 6; ++variant) {  // everyone agrees; rank 1's numel differs; its schedule does
+      const bool in_order = variant & 1, disagree = variant >> 1;
       Hub hub;
       std::vector<std::thread> threads;
       std::vector<int> threw(ranks, 0);
@@ -224,7 +234,9 @@ int main() {
         threads.emplace_back([&, r] {
           LocalTransport transport(hub, r, ranks, in_order);
           try {
-            check_ring_call(transport, RingCall{disagree && r == 1 ? 11 : 10, 0, 1, 1.0f, 1.0f, 256}, 0);
+            const bool odd = r == 1;
+            check_ring_call(transport, RingCall{variant >> 1 == 1 && odd ? 11 : 10, 0, 1, 1.0f, 1.0f, 256,
+                                                variant >> 1 == 2 && odd}, 0);
           } catch (const std::invalid_argument&) {
             threw[r] = 1;
           }
