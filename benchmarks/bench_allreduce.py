@@ -58,7 +58,8 @@ def with_feedback(codec, group):
 
 def implementations(n, group, feedback=False, numel=None, device=None):
     """{name: (fn, wire bytes per element)}; with a numel and CPU tensors that take gradsync's direct
-    exchange, also gradsync fp16 through the ring ("gradsync fp16 ring"), side by side."""
+    exchange, also gradsync fp16 through the ring ("gradsync fp16 ring") and without the agreement
+    check ("gradsync fp16 unchecked"), side by side."""
     def torch_fp32(x):
         dist.all_reduce(x, group=group)
         x.div_(n)
@@ -85,6 +86,8 @@ def implementations(n, group, feedback=False, numel=None, device=None):
     if numel and device is not None and device.type == "cpu" and 1 < n <= 8 and \
             numel * 2 <= gradsync.distributed.DIRECT_BYTES:
         impls["gradsync fp16 ring"] = (through_the_ring, 2)
+        # as the hooks and DataParallel call it after a bucket's first step
+        impls["gradsync fp16 unchecked"] = (lambda x: gradsync.all_reduce(x, codec="fp16", group=group, check_call=False), 2)
     return impls
 
 
@@ -215,7 +218,7 @@ def main():
                         help="the implementations take turns in this many rounds of each size's iterations (default: "
                              "one call each per round; 1: each runs all its calls at once, which lets a slow spell of "
                              "the machine fall on one row: rows of 256 KB or less then moved by up to 56 %% between "
-                             "runs, against 15-18 %% when interleaved)")
+                             "runs, against 18-22 %% interleaved: results/2026-12-01-netem-interleaving.json)")
     parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
     parser.add_argument("--feedback", action="store_true",
                         help="also time every compressing codec with error feedback (+ef: a residual kept across calls)")

@@ -210,9 +210,9 @@ void RingEngine::execute(Job& job) {
   const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
   const bool direct = !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
                       payload_bytes <= o.direct_bytes;
-  if (o.check_call) {
+  if (o.check_call) {  // at the top of the call's tags, which every rank finds there whatever its numel
     const RingCall call = ring_call(t, o, slice_elems, direct);
-    check_ring_call(transport_, call, tag_base + ring_tag_span(plan));
+    check_ring_call(transport_, call, tag_base + kTagsPerCall - n);
   }
   std::unique_ptr<CodecRingKernels> kernels;
   const bool pinned = t.is_cuda();

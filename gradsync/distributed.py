@@ -2,7 +2,8 @@
 
 Each hop decodes what it receives, adds the local contribution in fp32 and re-encodes; the fully
 reduced chunk is encoded once and every rank decodes the same bytes, so the result is bitwise
-identical on every rank. It runs over any torch.distributed process group: CUDA tensors of an NCCL group
+identical on every rank (small CPU buffers take one direct exchange instead: DIRECT_BYTES). It runs
+over any torch.distributed process group: CUDA tensors of an NCCL group
 travel over gradsync's own NCCL communicator, made once per group; CPU tensors (gloo), and CUDA
 tensors of a non-NCCL group through pinned host memory, over the group's own send/recv.
 """

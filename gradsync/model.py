@@ -9,7 +9,8 @@ hop forwards, then decodes). Per hop a slice of b wire bytes costs the link ``al
 (alpha-beta); slices of one step stream back to back, so a step lasts the longer of its link time
 ``m * b / B`` and its dependency chain ``alpha + b / B + compute``, and a phase can never be shorter
 than the kernels its rank must run one after another. torch's all_reduce (gloo or NCCL) is the same
-ring with fp32 on the wire and an fp32 add per hop. Not modelled: congestion, stragglers, overlap
+ring with fp32 on the wire and an fp32 add per hop. Small host buffers take gradsync's direct
+exchange instead (``direct_time``: the check and one exchange of every rank with every other). Not modelled: congestion, stragglers, overlap
 with the backward pass, and the many-level rings and trees NCCL builds on real clusters.
 
 The emulated cluster (benchmarks/netem) adds what a real one lacks and the model then describes:
@@ -42,8 +43,10 @@ WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8_e4m3": 1 + 4 / 128, "f
 CODECS = tuple(WIRE_BYTES)
 TORCH = "torch fp32"
 IMPLS = (TORCH,) + tuple(f"gradsync {c}" for c in CODECS)
-RING_FP16 = "gradsync fp16 ring"  # bench_allreduce.py: small buffers kept on the ring, beside the direct exchange
-VALIDATED_IMPLS = IMPLS + (RING_FP16,)
+# bench_allreduce.py's rows beside the direct exchange of small buffers: gradsync fp16 through the
+# ring, and without the agreement check (as the hooks call it after a bucket's first step)
+RING_FP16, UNCHECKED_FP16 = "gradsync fp16 ring", "gradsync fp16 unchecked"
+VALIDATED_IMPLS = IMPLS + (RING_FP16, UNCHECKED_FP16)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Link:
     quiet_latency: float = None  # a hop's latency while the other ranks idle, where that is less (ranks sharing cores)
     shared_cores: bool = False  # the ranks take turns on one host's cores (an emulated cluster)
     direct_latency: float = None  # an exchange of every rank with every other, where it differs from a hop
+    direct_check_latency: float = None  # the agreement check before such an exchange, where it differs
 
     def step_latency(self, active, n):
         """A ring step's hop latency with `active` of the n ranks moving data at once. `latency` holds
@@ -170,10 +174,11 @@ def direct_time(numel, n, link, kernels, codec, check_call=True):
     each rank; the rank encodes its contribution and decodes all n. A full token bucket lets the
     payloads through at once, up to its size."""
     a = link.latency if link.direct_latency is None else link.direct_latency
+    check = a if link.direct_check_latency is None else link.direct_check_latency
     out = (n - 1) * numel * WIRE_BYTES[codec]
     wire = max(0.0, out / link.bandwidth - link.bucket)
     compute = numel * (kernels.encode[codec] + n * kernels.decode[codec]) + 2 * out * kernels.network
-    return (a if check_call else 0.0) + a + wire + compute
+    return (check if check_call else 0.0) + a + wire + compute
 
 
 def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=None, check_call=True):
@@ -232,13 +237,13 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
 
 
 def allreduce_time(numel, n, link, kernels, impl, check_call=True):
-    """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does), "gradsync <codec>"
-    or RING_FP16 (gradsync fp16 without the direct exchange)."""
+    """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does), "gradsync <codec>",
+    RING_FP16 (gradsync fp16 without the direct exchange) or UNCHECKED_FP16 (without the check)."""
     if impl == TORCH:
         return ring_time(numel, n, link, kernels, plain=True) + numel * kernels.encode["none"]
     if impl == RING_FP16:
         kernels = replace(kernels, direct_bytes=0)
-    return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call)
+    return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call and impl != UNCHECKED_FP16)
 
 
 def link_bound(numel, n, link, codec):
@@ -269,13 +274,10 @@ def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
     return (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
 
 
-def latency_hops(n, impl, direct=False):
-    """Hop latencies on one all-reduce's critical path: 2(n-1) for a ring, plus the agreement check's;
-    two exchanges for gradsync's direct path (the check, then the data)."""
+def latency_hops(n, impl):
+    """Hop latencies on one all-reduce's ring: 2(n-1), plus the agreement check's for gradsync."""
     if impl == TORCH:
         return 2 * (n - 1)
-    if direct:
-        return 2
     return 2 * (n - 1) + (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1)
 
 
@@ -283,18 +285,27 @@ def measured_latencies(netem):
     """Seconds per hop, from the latency-bound rows of a netem run (messages too small for the shaper
     to engage), per implementation: gloo's all_reduce, gradsync's ring and gradsync's direct exchange
     are different software. The median over every such row and rate, as single rows here move by
-    +-30 % between runs."""
+    +-30 % between runs. For the direct exchange, "direct" is one exchange (the rows without the
+    agreement check) and "direct check" what the check adds before it: where ranks share cores, a
+    second exchange right after a first costs more than the first (it waits for the last rank to
+    finish the first), so the two are measured apart."""
     n, direct_bytes = netem["meta"]["ranks"], netem["meta"].get("direct_bytes", 0)
-    per_hop = {TORCH: [], "gradsync": [], "direct": []}
+    per_hop = {TORCH: [], "gradsync": [], "direct": [], "direct checked": []}
     for r in netem["rows"]:
         if r["bytes"] > LATENCY_BOUND_BYTES or r["impl"] not in VALIDATED_IMPLS:
             continue
+        seconds = r["time_ms"] * 1e-3
         if r["impl"] == TORCH:
-            per_hop[TORCH].append(r["time_ms"] * 1e-3 / latency_hops(n, TORCH))
-            continue
-        direct = r["impl"] != RING_FP16 and takes_direct_exchange(r["bytes"] // 4, n, r["impl"].split()[1], direct_bytes)
-        per_hop["direct" if direct else "gradsync"].append(r["time_ms"] * 1e-3 / latency_hops(n, r["impl"], direct))
+            per_hop[TORCH].append(seconds / latency_hops(n, TORCH))
+        elif r["impl"] != RING_FP16 and takes_direct_exchange(r["bytes"] // 4, n, r["impl"].split()[1], direct_bytes):
+            per_hop["direct" if r["impl"] == UNCHECKED_FP16 else "direct checked"].append(seconds)
+        else:
+            per_hop["gradsync"].append(seconds / latency_hops(n, r["impl"]))
     latencies = {k: statistics.median(v) if v else None for k, v in per_hop.items()}
+    checked = latencies.pop("direct checked")
+    if latencies["direct"] is None:  # no unchecked rows: the check taken as a second exchange alike
+        latencies["direct"] = checked / 2 if checked else None
+    latencies["direct check"] = checked - latencies["direct"] if checked else None
     quiet = [v for v in netem["meta"].get("p2p_latency_us", {}).values() if v]
     latencies["quiet"] = statistics.median(quiet) * 1e-6 if quiet else None
     return latencies
@@ -327,7 +338,7 @@ def validate(netem, kernels_path, loopback_path, min_bytes=0):
         latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
         link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
                     quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None, shared_cores=True,
-                    direct_latency=latencies["direct"])
+                    direct_latency=latencies["direct"], direct_check_latency=latencies["direct check"])
         predicted = allreduce_time(r["bytes"] // 4, n, link, kernels, r["impl"]) * 1e3
         out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
                     "predicted_ms": predicted, "error": predicted / r["time_ms"] - 1})
@@ -474,9 +485,9 @@ def validation_table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="benchmarks/results/2026-11-30-cpu-kernels-1thread.json",
+    parser.add_argument("--kernels", default="benchmarks/results/2026-12-01-cpu-kernels-1thread.json",
                         help="bench_kernels.py JSON with the CPU kernel costs (for --validate)")
-    parser.add_argument("--loopback", default="benchmarks/results/2026-11-30-cpu-allreduce-4ranks.json",
+    parser.add_argument("--loopback", default="benchmarks/results/2026-12-01-cpu-allreduce-4ranks-interleaved.json",
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")

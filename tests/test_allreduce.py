@@ -263,8 +263,8 @@ def test_error_feedback_residuals_account_for_the_error(worlds, codec, numel):
 
 def disagreeing_calls(rank, size):
     messages = []
-    for kind in ("numel", "dtype", "codec", "scale", "schedule"):
-        numel = 1000 + (rank if kind == "numel" else 0)
+    for kind in ("numel", "far numel", "dtype", "codec", "scale", "schedule"):
+        numel = 1000 + (rank if kind == "numel" else 0) + (2**20 if kind == "far numel" and rank == 0 else 0)
         dtype = torch.float16 if kind == "dtype" and rank == size - 1 else torch.float32
         codec = "fp8_e5m2" if kind == "codec" and rank == 0 else "fp16"
         prescale = 0.5 if kind == "scale" and rank == 1 else None
