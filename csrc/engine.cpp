@@ -206,7 +206,7 @@ void RingEngine::execute(Job& job) {
   if (t.is_cuda() && nccl_) return execute_nccl(job, plan, slice_elems);
 #endif
 
-  // host kernels only: the CUDA twins of its final sum do not exist
+  // small host buffers: the direct exchange (its final sum has no CUDA twin, so CUDA tensors take the ring)
   const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
   const bool direct = !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
                       payload_bytes <= o.direct_bytes;

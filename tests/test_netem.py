@@ -135,14 +135,19 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
     assert failing.returncode == 1 and "a rank failed" in failing.stderr
     assert not [ns for ns in namespaces() if ns.startswith(prefix)]
 
+    # a run far longer than the test waits (its ranks' own timeout ends it otherwise), interrupted
+    # once both ranks have started
+    endless = ["--hosts", "2", "--rate", "1gbit", "--timeout", "60", "--", "--min-bytes", "64M", "--max-bytes", "64M",
+               "--impls", "torch fp32", "--budget-bytes", "64G", "--max-iters", "1000"]
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *SMOKE], env=env,
+    proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *endless], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not any(ns == prefix + "h1" for ns in namespaces()) and time.monotonic() < deadline:
+        while not (tmp_path / "rank1-1gbit.log").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)  # the ranks are starting
+        assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
