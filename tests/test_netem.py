@@ -140,8 +140,11 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
     endless = ["--hosts", "2", "--rate", "1gbit", "--timeout", "60", "--", "--min-bytes", "64M", "--max-bytes", "64M",
                "--impls", "torch fp32", "--budget-bytes", "64G", "--max-iters", "1000"]
     env = dict(os.environ, PYTHON=sys.executable)
+    # A shell started with SIGINT ignored (as anything started with `&` by a shell without job
+    # control is, and so, by inheritance, a test run inside one) cannot trap it: restore it.
     proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *endless], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "rank1-1gbit.log").exists() and time.monotonic() < deadline:
