@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import gradsync  # noqa: E402
+from gradsync import model  # noqa: E402
 
 COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, common.fixed(0)), ("impl", "impl", 26, str),
            ("time(ms)", "time_ms", 11, common.fixed(3)), ("algbw", "algbw", 9, common.fixed(3)),
@@ -84,8 +85,8 @@ def implementations(n, group, feedback=False, numel=None, device=None):
         impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), wire)
         if feedback and codec != "none":
             impls[f"gradsync {codec}+ef"] = (with_feedback(codec, group), wire)
-    if numel and device is not None and device.type == "cpu" and 1 < n <= 8 and \
-            numel * 2 <= gradsync.distributed.DIRECT_BYTES:
+    if numel and device is not None and device.type == "cpu" and \
+            model.takes_direct_exchange(numel, n, "fp16", gradsync.distributed.DIRECT_BYTES):
         impls["gradsync fp16 ring"] = (through_the_ring, 2)
         # as the hooks and DataParallel call it after a bucket's first step
         impls["gradsync fp16 unchecked"] = (lambda x: gradsync.all_reduce(x, codec="fp16", group=group, check_call=False), 2)

@@ -70,13 +70,14 @@ void CpuRingKernels::decode_fp32(const void* in, int64_t n, float* out) const {
 }
 
 void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t n) {
-  std::vector<float> sum(static_cast<size_t>(n)), term(static_cast<size_t>(n));
-  decode_fp32(payloads[0], n, sum.data());
+  const std::unique_ptr<float[]> scratch(new float[2 * static_cast<size_t>(n)]);  // written before it is read
+  float *sum = scratch.get(), *term = sum + n;
+  decode_fp32(payloads[0], n, sum);
   for (int i = 1; i < count; ++i) {
-    decode_fp32(payloads[i], n, term.data());
+    decode_fp32(payloads[i], n, term);
     for (int64_t j = 0; j < n; ++j) sum[j] += term[j];
   }
-  convert_cpu(sum.data(), DType::kFloat32, result_at(0), dtype_, n, postscale_);
+  convert_cpu(sum, DType::kFloat32, result_at(0), dtype_, n, postscale_);
 }
 
 void* CpuRingKernels::result_as_payload(int64_t begin) {
@@ -113,14 +114,17 @@ void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
 
 void compare_ring_calls(const RingCall* table, int n) {
   std::ostringstream diff;
+  const auto describe = [&](const RingCall& c) {
+    diff << "numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec << ", prescale " << c.prescale
+         << ", postscale " << c.postscale << ", schedule " << (c.direct ? "direct" : "ring");
+  };
   for (int i = 0; i < n; ++i) {
-    const RingCall& c = table[i];
-    if (std::memcmp(&c, &table[0], sizeof(RingCall)) != 0) {
-      diff << " rank " << i << " has numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec
-           << ", prescale " << c.prescale << ", postscale " << c.postscale << ", schedule "
-           << (c.direct ? "direct" : "ring") << " but rank 0 has numel " << table[0].numel << ", dtype "
-           << table[0].dtype << ", codec " << table[0].codec << ", prescale " << table[0].prescale << ", postscale "
-           << table[0].postscale << ", schedule " << (table[0].direct ? "direct" : "ring") << ";";
+    if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
+      diff << " rank " << i << " has ";
+      describe(table[i]);
+      diff << " but rank 0 has ";
+      describe(table[0]);
+      diff << ";";
     }
   }
   if (!diff.str().empty()) {
