@@ -68,6 +68,18 @@ def _check_scale(value, name):
     return float(value)
 
 
+def _op_name(op):
+    """"avg" or "sum" for those strings and for torch.distributed.ReduceOp.AVG / SUM."""
+    if isinstance(op, str):
+        if op in OPS:
+            return op
+    elif isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        for name in OPS:
+            if op == getattr(dist.ReduceOp, name.upper()):
+                return name
+    raise ValueError(f"op must be one of {', '.join(OPS)} (or torch.distributed.ReduceOp.AVG / SUM), got {op!r}")
+
+
 def resolve_scales(op, world_size, prescale=None, postscale=None):
     """(prescale, postscale) whose product is 1/world_size for "avg" and 1 for "sum".
 
@@ -77,8 +89,7 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     and the block-scaled fp8 codecs are indifferent to the split. Give one factor and gradsync
     derives the other; give both and their product must be right.
     """
-    if op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    op = _op_name(op)
     target = 1.0 / world_size if op == "avg" else 1.0
     if prescale is None and postscale is None:
         return target, 1.0
@@ -165,7 +176,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
                check_call: bool = True, residual: Optional[torch.Tensor] = None):
     """All-reduces ``tensor`` in place across ``group`` (default: the default group).
 
-    ``op``: "avg" (default) or "sum". ``codec``: the wire format, one of :data:`gradsync.CODECS`
+    ``op``: "avg" (default) or "sum", or ``torch.distributed.ReduceOp.AVG`` / ``SUM``. ``codec``: the wire format, one of :data:`gradsync.CODECS`
     ("none" sends the tensor's own dtype). Sums are accumulated in fp32 at every hop. ``prescale`` /
     ``postscale``: see :func:`resolve_scales`. With ``async_op=True`` returns an
     :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must

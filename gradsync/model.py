@@ -473,10 +473,18 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     return "\n".join(lines)
 
 
+def _size(nbytes):
+    for unit in ("B", "KB", "MB"):
+        if nbytes < 1024 or unit == "MB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+
+
 def validation_table(rows):
-    lines = [f"{'rate':<8} {'size':>8} {'impl':<20} {'measured':>10} {'predicted':>10} {'error':>7}"]
+    width = max([4] + [len(r["impl"]) for r in rows])
+    lines = [f"{'rate':<8} {'size':>8} {'impl':<{width}} {'measured':>10} {'predicted':>10} {'error':>7}"]
     for r in rows:
-        lines.append(f"{r['rate']:<8} {r['bytes'] / 2**20:>6.2f}MB {r['impl']:<20} {r['measured_ms']:>8.1f}ms "
+        lines.append(f"{r['rate']:<8} {_size(r['bytes']):>8} {r['impl']:<{width}} {r['measured_ms']:>8.1f}ms "
                      f"{r['predicted_ms']:>8.1f}ms {100 * r['error']:>+6.0f}%")
     worst = max(rows, key=lambda r: abs(r["error"]))
     lines.append(f"worst: {100 * worst['error']:+.0f}% ({worst['impl']}, {worst['rate']}, {worst['bytes']} bytes)")

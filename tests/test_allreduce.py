@@ -90,8 +90,8 @@ def _run_cases(rank, size, cases):
         inputs, sums = prepared[(numel, dtype)]
         x = inputs[rank].clone()
         gradsync.all_reduce(x, op=op, codec=codec)
-        again = inputs[rank].clone()
-        gradsync.all_reduce(again, op=op, codec=codec)  # a repeated call gives the same bits
+        again = inputs[rank].clone()  # a repeated call, naming the op as torch.distributed does, gives the same bits
+        gradsync.all_reduce(again, op=getattr(dist.ReduceOp, op.upper()), codec=codec)
         assert torch.equal(again.view(torch.uint8), x.view(torch.uint8)), "repeated call differs"
         out[(numel, codec, dtype_name, op)] = (error_ratio(x, inputs, codec, op, dtype_name, size, sums), digest(x))
     return out
@@ -529,6 +529,13 @@ def test_scales():
         resolve_scales("avg", 4, prescale=1.0, postscale=1.0)
     with pytest.raises(ValueError, match="op must be one of avg, sum"):
         resolve_scales("max", 4)
+    # torch.distributed's own names for the two ops, as the enum value and as a ReduceOp object
+    assert resolve_scales(dist.ReduceOp.AVG, 4) == (0.25, 1.0)
+    assert resolve_scales(dist.ReduceOp.SUM, 4) == (1.0, 1.0)
+    assert resolve_scales(dist.ReduceOp(dist.ReduceOp.SUM), 4) == (1.0, 1.0)
+    for other in (dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT, "AVG", None):
+        with pytest.raises(ValueError, match="op must be one of avg, sum"):
+            resolve_scales(other, 4)
     with pytest.raises(ValueError, match="prescale must be a finite, non-zero number"):
         resolve_scales("avg", 4, prescale=0.0)
 
