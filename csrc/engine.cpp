@@ -2,6 +2,8 @@
 
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <c10/core/StreamGuard.h>
+
 #include <optional>
 #include <stdexcept>
 
@@ -38,13 +40,20 @@ bool RingWork::is_completed() {
 void RingWork::complete(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return;
     done_ = true;
     error_ = error;
   }
   done_cv_.notify_all();
-  // after the waiters are released: the future's callbacks run here, on the engine's thread
-  if (error) future_->setError(error);
-  else future_->markCompleted(c10::IValue(tensor_));
+  // after the waiters are released: the future's callbacks run here, on the engine's thread. What
+  // they throw (or recording the future's CUDA events, on a device that has failed since) must not
+  // end that thread: wait() has the call's outcome already.
+  try {
+    if (error) future_->setError(error);
+    else future_->markCompleted(c10::IValue(tensor_));
+  } catch (const std::exception& e) {
+    TORCH_WARN("gradsync: completing an all-reduce's future failed: ", e.what());
+  }
   tensor_ = at::Tensor();
 }
 
@@ -156,21 +165,55 @@ void RingEngine::run() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
+    std::exception_ptr error;
+    const int64_t posted_before = transport_.posted();
+    bool nccl_aborted_before = false;
+#ifdef GRADSYNC_WITH_CUDA
+    nccl_aborted_before = nccl_ && nccl_->aborted();
+#endif
     try {
       if (!broken_.empty()) throw std::runtime_error(broken_);
       execute(job);
-      job.work->complete(nullptr);
     } catch (const std::invalid_argument&) {  // the ranks disagree: every message completed cleanly
-      job.work->complete(std::current_exception());
+      error = std::current_exception();
     } catch (const std::exception& e) {
-      // Messages may still be in flight into the workspaces: never reuse them, fail later calls.
-      broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + e.what();
-      new at::Tensor(recv_image_);  // leaked on purpose: in-flight messages may still use them
-      new at::Tensor(send_image_);
-      job.work->complete(std::current_exception());
+      error = std::current_exception();
+      after_failure(e.what(), posted_before, nccl_aborted_before);
+    } catch (...) {
+      error = std::current_exception();
+      after_failure("an unknown exception", posted_before, nccl_aborted_before);
+    }
+    {
+      std::optional<c10::StreamGuard> guard;
+      try {
+        if (job.stream) guard.emplace(*job.stream);
+      } catch (const std::exception&) {  // a device that has failed: complete on the thread's current stream
+      }
+      job.work->complete(error);
     }
     job.tensor = at::Tensor();
     job.options.residual = at::Tensor();
+  }
+}
+
+void RingEngine::after_failure(const char* what, int64_t posted_before, bool nccl_aborted_before) {
+  // A call that failed before posting anything (a group without a CPU backend refusing a host
+  // buffer, an allocation) leaves the ring as it was. Messages of the process group that may still
+  // be in flight would be received by a later call: that fails every later call on the group. An
+  // aborted NCCL communicator fails its own later calls.
+  const bool in_flight = transport_.posted() != posted_before;
+  bool device_in_flight = false;
+#ifdef GRADSYNC_WITH_CUDA
+  device_in_flight = nccl_ && nccl_->aborted() && !nccl_aborted_before;
+#else
+  (void)nccl_aborted_before;
+#endif
+  if (in_flight) {
+    broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + what;
+  }
+  if (in_flight || device_in_flight) {  // never reused: messages or kernels may still write them
+    new at::Tensor(std::move(recv_image_));  // leaked on purpose; the next call allocates new ones
+    new at::Tensor(std::move(send_image_));
   }
 }
 
@@ -222,6 +265,7 @@ void RingEngine::execute(Job& job) {
     // current on this thread, so that the engine's device buffers come from this stream's pool and
     // never from the default stream's, whose blocks the caller's later kernels may still be using
     guard = std::make_unique<c10::cuda::CUDAStreamGuard>(c10::cuda::getStreamFromPool(false, t.device().index()));
+    job.stream = guard->current_stream();
     const cudaStream_t stream = guard->current_stream().stream();
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
     kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
@@ -256,6 +300,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
               "failure; later calls on the group raise");
   // buffers allocated here come from the compute stream's pool (see execute)
   const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(compute_stream_, t.device().index()));
+  job.stream = guard.current_stream();
   const DType dtype = dtype_of(t);
   const int n = size();
   C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
@@ -264,6 +309,12 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   const auto aborting_on_failure = [&](auto&& body) {
     try {
       body();
+    } catch (const std::exception& e) {
+      if (nccl_->abort(compute_stream_)) throw;
+      new at::Tensor(t);  // leaked on purpose: kernels still queued may write them
+      if (o.residual.defined()) new at::Tensor(o.residual);
+      throw std::runtime_error(std::string(e.what()) + "; the call's kernels were still queued 10 s after the abort, so "
+                               "the tensor (and residual) may still change: gradsync keeps them allocated");
     } catch (...) {
       nccl_->abort(compute_stream_);
       throw;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Stream.h>
 #include <torch/extension.h>
 
 #include <condition_variable>
@@ -10,6 +11,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -76,8 +78,14 @@ class RingEngine {
 #ifdef GRADSYNC_WITH_CUDA
     std::shared_ptr<void> ready;  // a CUDA event recorded on the caller's stream
 #endif
+    // The (drained) stream the call ran on: current while its future completes, so that the
+    // future's events and callbacks see the tensor's device and no unrelated work.
+    std::optional<c10::Stream> stream;
   };
   void run();
+  // After a call failed for another reason than the ranks' disagreement: `posted_before` is the
+  // transport's count of posted messages when the call began.
+  void after_failure(const char* what, int64_t posted_before, bool nccl_aborted_before);
   void execute(Job& job);
   void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
   static void set_error_feedback(CodecRingKernels& kernels, const Job& job);

@@ -203,6 +203,9 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     if residual is not None:
         _check_residual(residual, tensor)
     group = _resolve_group(group)
+    if not tensor.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
+        raise ValueError("tensor is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it to "
+                         "this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
     engine = _engine(group, tensor)
     slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES

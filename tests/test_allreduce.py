@@ -561,6 +561,11 @@ def nccl_world_of_one(rank, size):
     check, the paired schedule's kernels, futures and error feedback, against the CPU codecs."""
     group = dist.distributed_c10d._get_default_group()
     same = {}
+    try:  # an NCCL group has no CPU backend: refused with a reason, and nothing else changes
+        gradsync.all_reduce(torch.ones(4))
+        same["cpu tensor refused"] = False
+    except ValueError as error:
+        same["cpu tensor refused"] = "backend is nccl" in str(error)
     for codec in gradsync.CODECS:
         x = rank_input(rank, 100003, torch.float32, seed=8)
         expected = gradsync.decompress(gradsync.compress(x, codec), codec, x.numel())

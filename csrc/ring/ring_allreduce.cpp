@@ -90,7 +90,9 @@ uint32_t ring_tag_span(const RingPlan& plan) {
 
 void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
   const int n = t.size(), r = t.rank();
-  if (n <= kDirectExchangeRanks) {  // every record straight to every rank: one hop of latency
+  // every record straight to every rank: one hop of latency. Not over NCCL, which would connect
+  // (buffers included) every pair of ranks for it, where the ring only ever uses its neighbours.
+  if (n <= kDirectExchangeRanks && t.posts_receives_ahead()) {
     t.group_begin();
     for (int s = 1; s < n; ++s) {
       t.recv(&table[mod(r - s, n)], sizeof(RingCall), mod(r - s, n), tag);

@@ -68,17 +68,21 @@ ncclComm_t NcclComm::get() const {
   return comm_;
 }
 
-void NcclComm::abort(cudaStream_t drain) {
+bool NcclComm::abort(cudaStream_t drain) {
   if (comm_ && !aborted_) {
     aborted_ = true;
     ncclCommAbort(comm_);
   }
-  if (!drain) return;
+  if (!drain) return true;
   // NCCL's kernels leave once aborted, so the kernels queued behind them run now; wait for them, but
-  // never forever (a kernel that never ends is reported by the caller's next CUDA call anyway).
+  // never forever (the caller then keeps what they may still write).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   Backoff backoff;
-  while (cudaStreamQuery(drain) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) backoff.pause();
+  cudaError_t state;
+  while ((state = cudaStreamQuery(drain)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    backoff.pause();
+  }
+  return state != cudaErrorNotReady;  // drained, or failed (a failed context runs nothing more)
 }
 
 void NcclComm::fail(const std::string& message, cudaStream_t drain) {

@@ -53,7 +53,8 @@ class NcclComm {
   // Aborts the communicator (idempotent): NCCL's kernels and proxy threads give up, and every
   // later call raises. `drain`, when given, is then waited for (boundedly), so that no kernel
   // queued behind the aborted transfers writes the caller's memory after the failure is reported.
-  void abort(cudaStream_t drain = nullptr);
+  // Returns whether `drain` (if any) has drained.
+  bool abort(cudaStream_t drain = nullptr);
 
  private:
   [[noreturn]] void fail(const std::string& message, cudaStream_t drain = nullptr);

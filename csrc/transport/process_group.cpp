@@ -10,12 +10,14 @@ at::Tensor host_bytes(const void* data, int64_t bytes) {
 int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   pending_.push_back(group_->send(tensors, peer, static_cast<int>(tag)));
+  ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
 int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   pending_.push_back(group_->recv(tensors, peer, static_cast<int>(tag)));
+  ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 

@@ -24,10 +24,13 @@ class ProcessGroupTransport : public Transport {
   void wait(int64_t handle) override;
   void wait_all() override;
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+  // How many messages were ever posted: unchanged across a failed call means none is in flight.
+  int64_t posted() const { return posted_; }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
+  int64_t posted_ = 0;
 };
 
 }  // namespace gradsync
