@@ -178,10 +178,10 @@ void RingEngine::run() {
       error = std::current_exception();
     } catch (const std::exception& e) {
       error = std::current_exception();
-      after_failure(e.what(), posted_before, nccl_aborted_before);
+      after_failure(job, e.what(), posted_before, nccl_aborted_before);
     } catch (...) {
       error = std::current_exception();
-      after_failure("an unknown exception", posted_before, nccl_aborted_before);
+      after_failure(job, "an unknown exception", posted_before, nccl_aborted_before);
     }
     {
       std::optional<c10::StreamGuard> guard;
@@ -196,7 +196,7 @@ void RingEngine::run() {
   }
 }
 
-void RingEngine::after_failure(const char* what, int64_t posted_before, bool nccl_aborted_before) {
+void RingEngine::after_failure(const Job& job, const char* what, int64_t posted_before, bool nccl_aborted_before) {
   // A call that failed before posting anything (a group without a CPU backend refusing a host
   // buffer, an allocation) leaves the ring as it was. Messages of the process group that may still
   // be in flight would be received by a later call: that fails every later call on the group. An
@@ -210,6 +210,8 @@ void RingEngine::after_failure(const char* what, int64_t posted_before, bool ncc
 #endif
   if (in_flight) {
     broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + what;
+    // receives posted straight into the result (codec "none") stay posted: a late peer still lands there
+    new at::Tensor(job.tensor);  // leaked on purpose, as the workspaces below
   }
   if (in_flight || device_in_flight) {  // never reused: messages or kernels may still write them
     new at::Tensor(std::move(recv_image_));  // leaked on purpose; the next call allocates new ones

@@ -85,7 +85,7 @@ class RingEngine {
   void run();
   // After a call failed for another reason than the ranks' disagreement: `posted_before` is the
   // transport's count of posted messages when the call began.
-  void after_failure(const char* what, int64_t posted_before, bool nccl_aborted_before);
+  void after_failure(const Job& job, const char* what, int64_t posted_before, bool nccl_aborted_before);
   void execute(Job& job);
   void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
   static void set_error_feedback(CodecRingKernels& kernels, const Job& job);

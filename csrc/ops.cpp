@@ -59,13 +59,20 @@ bool describe(const at::Tensor& t, Segment& s) {
   return true;
 }
 
+void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the kernels can read
+  TORCH_CHECK((t.is_cpu() || t.is_cuda()) && t.layout() == at::kStrided,
+              "gradsync: the kernels take dense CPU or CUDA tensors, got a ", t.layout(), " tensor on ", t.device());
+}
+
 void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
+  check_dense_cpu_or_cuda(t);
   TORCH_CHECK(t.device() == flat.device(), "gradsync: tensors must be on the flat buffer's device ", flat.device(),
               ", got ", t.device());
 }
 
 void multi_tensor_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale_d,
                        Direction direction) {
+  check_dense_cpu_or_cuda(flat);
   TORCH_CHECK(flat.is_contiguous(), "gradsync: the flat buffer must be contiguous");
   const DType flat_dtype = to_dtype(flat.scalar_type());
   const int fsize = dtype_size(flat_dtype);
@@ -138,6 +145,7 @@ Fp8Format to_fp8_format(int64_t codec) {
 }
 
 void check_payload(const at::Tensor& payload, int64_t n, const at::Tensor& x) {
+  check_dense_cpu_or_cuda(payload);
   TORCH_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() && payload.numel() == fp8_payload_bytes(n),
               "gradsync: an fp8 payload of ", n, " elements is ", fp8_payload_bytes(n), " contiguous bytes");
   TORCH_CHECK(x.is_contiguous() && x.numel() == n, "gradsync: expected a contiguous tensor of ", n, " elements");

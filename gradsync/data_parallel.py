@@ -5,12 +5,15 @@ gradsync's ring as soon as its last gradient arrives, while backward goes on, an
 gradients are written back before ``backward()`` returns.
 """
 import contextlib
+import dataclasses
+import weakref
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .distributed import _resolve_group, all_reduce
+from .distributed import _check_flag, _resolve_group, all_reduce
 from .ops import _check_codec, flatten, unflatten
 
 __all__ = ["DataParallel"]
@@ -28,6 +31,27 @@ class _Bucket:
         self.work = None
 
 
+def _tensors_in(obj):
+    """The tensors of a module's output: tensors, lists, tuples, mappings and dataclasses of them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_in(item)]
+    if isinstance(obj, Mapping):
+        return [t for item in obj.values() for t in _tensors_in(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
+    return []
+
+
+def _start_step_hook(owner):
+    def hook(grad):
+        model = owner()
+        if model is not None:
+            model._start_step()
+    return hook
+
+
 class DataParallel(torch.nn.Module):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
@@ -43,8 +67,16 @@ class DataParallel(torch.nn.Module):
       steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
+    - A step is a backward pass through this wrapper's outputs (not one through the wrapped module
+      called directly, nor ``torch.autograd.grad``, which fills no ``.grad``). Reentrant activation
+      checkpointing runs nested backward passes inside it: still one all-reduce per bucket and step.
+      A step whose backward raised is abandoned at the next one (its calls are waited for, and the
+      agreement check runs again).
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
-      it holds the average over the ranks (zeros, not None, if no rank produced a gradient).
+      it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
+      parameter frozen after wrapping (``requires_grad=False``) contributes zeros and keeps its
+      ``.grad``. Parameters replaced or added after wrapping, and moving the module to another
+      device, are not followed: wrap the model once it is final and on its device.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
@@ -59,6 +91,8 @@ class DataParallel(torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_codec(codec)
+        error_feedback = _check_flag(error_feedback, "error_feedback")
+        broadcast_buffers = _check_flag(broadcast_buffers, "broadcast_buffers")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         params = [p for p in module.parameters() if p.requires_grad]
@@ -90,7 +124,9 @@ class DataParallel(torch.nn.Module):
             self._add_bucket(current, error_feedback)
         self._next = 0  # the next bucket to issue, in order
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
-        self._in_backward = False
+        self._step_task = None  # the autograd graph task of the step in progress
+        self._grads_seen = False  # whether that step has accumulated a gradient yet
+        self._outputs_hooked = False  # whether the last forward's outputs start the step
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _add_bucket(self, params, error_feedback):
@@ -124,7 +160,16 @@ class DataParallel(torch.nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 self._broadcast(buffers)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            # the gradient of an output is computed before any parameter's, in the outermost graph task
+            hook = _start_step_hook(weakref.ref(self))
+            self._outputs_hooked = False
+            for t in _tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+                    self._outputs_hooked = True
+        return output
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -135,12 +180,37 @@ class DataParallel(torch.nn.Module):
         finally:
             self._sync = previous
 
-    def _on_grad(self, param):
-        if not self._sync:
+    def _start_step(self):
+        task = torch._C._current_graph_task_id()
+        if task == self._step_task or not self._sync:
             return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self._step_task is not None:
+            self._abandon_step()
+        self._step_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _abandon_step(self):
+        """A step whose backward raised never reached _finish_backward: let its calls end."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                with contextlib.suppress(Exception):
+                    bucket.work.wait()
+        self._reset()
+        self._checked = False  # if the ranks went apart in that step, the next one says so
+
+    def _reset(self):
+        for bucket in self._buckets:
+            bucket.ready, bucket.work = 0, None
+        self._next = 0
+        self._step_task = None
+        self._grads_seen = False
+
+    def _on_grad(self, param):
+        if self._step_task is None:  # not a backward through this wrapper's outputs, or under no_sync
+            if self._outputs_hooked or not self._sync:
+                return
+            self._start_step()  # outputs in a container _tensors_in does not open: start here
+        self._grads_seen = True
         self._bucket_of[param].ready += 1
         self._issue(force=False)
 
@@ -151,23 +221,25 @@ class DataParallel(torch.nn.Module):
                 return
             grads = []
             for p in bucket.params:
-                if p.grad is None:  # no gradient on this rank in this step: contribute zeros
+                if p.grad is None and p.requires_grad:  # no gradient on this rank in this step: contribute zeros
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
             flatten(grads, dtype=torch.float32, out=bucket.buffer)
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
                                      residual=bucket.residual, check_call=not self._checked)
             self._next += 1
 
     def _finish_backward(self):
+        if not self._grads_seen:  # no gradient accumulated (e.g. torch.autograd.grad): nothing to average
+            self._reset()
+            return
         try:
             self._issue(force=True)
             for bucket in self._buckets:
                 bucket.work.wait()
-                unflatten(bucket.buffer, [p.grad for p in bucket.params])
+                unflatten(bucket.buffer, [p.grad if p.grad is not None else torch.empty_like(p) for p in bucket.params])
             self._checked = True
-        finally:
-            for bucket in self._buckets:
-                bucket.ready, bucket.work = 0, None
-            self._next = 0
-            self._in_backward = False
+        except BaseException:
+            self._abandon_step()
+            raise
+        self._reset()

@@ -47,7 +47,8 @@ class AllReduceWork:
         self._tensor = tensor
 
     def wait(self) -> None:
-        """Blocks until the all-reduce is done; raises its error if it failed (the tensor is then unchanged)."""
+        """Blocks until the all-reduce is done; raises its error if it failed (see :func:`all_reduce`
+        for what the tensor then holds)."""
         self._work.wait()
 
     def is_completed(self) -> bool:
@@ -60,6 +61,12 @@ class AllReduceWork:
         for another gradsync all-reduce of the same group.
         """
         return self._work.get_future()
+
+
+def _check_flag(value, name):
+    if value not in (True, False):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _check_scale(value, name):
@@ -188,8 +195,10 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     with what the encoding lost; every rank encodes each element exactly once per call, so the
     residuals of all ranks sum to the error of the result and the next call pays it back.
 
-    The tensor must be contiguous float32/float16/bfloat16, on CPU or CUDA. It is written only once
-    every message has arrived: on failure it is left unchanged.
+    The tensor must be contiguous float32/float16/bfloat16, on CPU or CUDA. Ranks that disagree on
+    the call raise before anything is written. After a transport failure (a peer died, the group's
+    timeout passed) the tensor's and the residual's contents are unspecified, and later calls on the
+    group raise.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")

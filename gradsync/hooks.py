@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import all_reduce
+from .distributed import _check_flag, _check_scale, all_reduce
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "fp8_compress_hook"]
@@ -48,9 +48,10 @@ class GradSyncState:
         _check_codec(codec)
         self.process_group = process_group
         self.codec = codec
-        self.error_feedback = bool(error_feedback)
-        self.prescale = prescale
-        self.postscale = postscale
+        self.error_feedback = _check_flag(error_feedback, "error_feedback")
+        # checked here, not at the first backward; whether their product is right depends on the group's size
+        self.prescale = None if prescale is None else _check_scale(prescale, "prescale")
+        self.postscale = None if postscale is None else _check_scale(postscale, "postscale")
         self._residuals = {}  # parameter ids of a bucket -> (fp32 residual, [(param id, offset, numel)])
         # per model: the buckets every rank agreed on, keyed by the id of a parameter and dropped with it
         self._checked = {}

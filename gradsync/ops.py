@@ -26,6 +26,18 @@ _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def _check_tensor(value, name):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {value.device}; gradsync's kernels take CPU or CUDA tensors")
+    if value.layout != torch.strided:
+        raise ValueError(f"{name} has layout {value.layout}; gradsync's kernels take dense (strided) tensors")
+
+
+def _check_numel(numel):
+    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):
+        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return int(numel)
 
 
 def _check_float_tensor(value, name):
@@ -79,7 +91,9 @@ def _check_out(out, numel, dtype, device, name="out"):
 def payload_nbytes(codec: str, numel: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes on the wire for ``numel`` elements under ``codec`` (``dtype``: the input dtype, used by "none")."""
     _check_codec(codec)
+    numel = _check_numel(numel)
     if codec == "none":
+        _check_float_dtype(dtype, "dtype")
         return numel * torch.empty((), dtype=dtype).element_size()
     if codec in _CAST_DTYPES:
         return 2 * numel
@@ -183,11 +197,7 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
     multiplied by ``scale`` in fp32 (into ``out`` when given)."""
     _check_tensor(payload, "payload")
     _check_codec(codec)
-    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):
-        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    numel = int(numel)
+    numel = _check_numel(numel)
     _check_float_dtype(dtype, "dtype")
     scale = _check_scale(scale)
     if not payload.is_contiguous():

@@ -56,6 +56,16 @@ x = torch.randn(10)
     (lambda: gradsync.decompress(torch.empty(20).half()[::2], "fp16", 10), ValueError, "payload must be contiguous"),
     (lambda: gradsync.decompress("payload", "fp16", 10), TypeError, "payload must be a torch.Tensor"),
     (lambda: gradsync.payload_nbytes("fp9", 10), ValueError, "unknown codec 'fp9'"),
+    (lambda: gradsync.payload_nbytes("fp16", -1), ValueError, "numel must be >= 0"),
+    (lambda: gradsync.payload_nbytes("fp8_e4m3", 2.5), TypeError, "numel must be an int"),
+    (lambda: gradsync.payload_nbytes("none", 10, torch.int64), TypeError, "dtype must be"),
+    # tensors whose data the kernels cannot read (all on one device, so no mismatch is reported first)
+    (lambda: gradsync.flatten([x.to("meta")]), ValueError, "tensors[0] is on meta"),
+    (lambda: gradsync.flatten([torch.eye(3).to_sparse()]), ValueError, "tensors[0] has layout torch.sparse_coo"),
+    (lambda: gradsync.unflatten(torch.empty(10, device="meta"), [x.to("meta")]), ValueError, "flat is on meta"),
+    (lambda: gradsync.compress(x.to("meta"), "fp8_e4m3"), ValueError, "x is on meta"),
+    (lambda: gradsync.decompress(torch.empty(20, dtype=torch.uint8, device="meta"), "fp8_e4m3", 10), ValueError,
+     "payload is on meta"),
 ])
 def test_bad_input_names_the_argument(call, error, words):
     with pytest.raises(error) as info:
@@ -71,5 +81,10 @@ def test_private_module_guards_the_kernels_too():
         _C.fp8_encode(x, torch.empty(3, dtype=torch.uint8), 3, 1.0)
     with pytest.raises(RuntimeError, match="not an fp8 codec id"):
         _C.fp8_encode(x, torch.empty(32, dtype=torch.uint8), 1, 1.0)
+    meta = torch.empty(10, device="meta")
+    with pytest.raises(RuntimeError, match="dense CPU or CUDA tensors, got a Strided tensor on meta"):
+        _C.flatten_into([meta], meta, 1.0)
+    with pytest.raises(RuntimeError, match="dense CPU or CUDA tensors, got a Strided tensor on meta"):
+        _C.fp8_encode(meta, torch.empty(20, dtype=torch.uint8, device="meta"), 3, 1.0)
     with pytest.raises(RuntimeError, match="instruction set 'sse9'"):
         _C.set_cpu_isa("sse9")

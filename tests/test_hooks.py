@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
@@ -173,6 +174,99 @@ def test_data_parallel_gives_unused_parameters_zero_gradients(worlds):
     assert all(ok for ok, _ in results)
 
 
+class Fails(torch.autograd.Function):
+    """Identity whose backward raises, as an out-of-memory error or a user hook would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed")
+
+
+class Segments(torch.nn.Module):
+    """Layers that can run under reentrant activation checkpointing; outputs in a dict, as
+    Hugging Face models return them."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+        self.checkpointed, self.fail = checkpointed, False
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.fail and i == 1:
+                x = Fails.apply(x)
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(lambda y, f=layer: torch.tanh(f(y)), x, use_reentrant=True)
+            else:
+                x = torch.tanh(layer(x))
+        return {"loss": x.square().mean(), "hidden": [x.detach()]}
+
+
+def data_parallel_steps(rank, size):
+    """What a step is: (case, outcome) pairs, with the all-reduces each case issued counted."""
+    calls = []
+    issue = gradsync.data_parallel.all_reduce
+    gradsync.data_parallel.all_reduce = lambda *a, **k: calls.append(1) or issue(*a, **k)
+    out = {}
+
+    def grads(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    try:
+        plain, checkpointed = (gradsync.DataParallel(Segments(c), codec="none", bucket_cap_mb=BUCKET_MB / 4)
+                               for c in (False, True))
+        x = batch(rank, 0)[0]
+        for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+            calls.clear()
+            model(x.requires_grad_(name == "checkpointed"))["loss"].backward()
+            out[name] = (len(calls), digest(grads(model)))
+        out["buckets"] = len(plain.buckets)
+
+        plain.module.fail = True  # a backward that raises, then steps that must still average
+        plain.zero_grad()
+        with pytest.raises(RuntimeError, match="backward failed"):
+            plain(x.detach())["loss"].backward()
+        plain.module.fail = False
+        for step in range(2):
+            plain.zero_grad()
+            calls.clear()
+            plain(batch(rank, 1 + step)[0])["loss"].backward()
+            out[f"after failure {step}"] = (len(calls), digest(grads(plain)))
+
+        calls.clear()  # a backward of the wrapped module itself, on one rank only: local, no call
+        if rank == 0:
+            plain.module(x.detach())["loss"].backward()
+        x = x.detach().requires_grad_()
+        torch.autograd.grad(plain(x)["loss"], x)  # fills no .grad: nothing to average
+        out["bare backward and autograd.grad calls"] = len(calls)
+
+        plain.zero_grad()  # a parameter frozen after wrapping keeps no gradient
+        plain.module.layers[0].weight.requires_grad_(False)
+        plain(x.detach())["loss"].backward()
+        out["frozen"] = (plain.module.layers[0].weight.grad is None, digest(grads(plain.module.layers[1])))
+    finally:
+        gradsync.data_parallel.all_reduce = issue
+    return out
+
+
+def test_data_parallel_steps_are_backward_passes_through_its_outputs(worlds):
+    results = worlds(2).run(data_parallel_steps)
+    for case in results[0]:
+        assert results[0][case] == results[1][case], f"{case}: ranks differ"
+    out = results[0]
+    buckets = out["buckets"]
+    assert buckets > 1
+    assert out["plain"][0] == buckets and out["checkpointed"] == out["plain"]  # one call per bucket, same bits
+    assert out["after failure 0"][0] == out["after failure 1"][0] == buckets
+    assert out["bare backward and autograd.grad calls"] == 0
+    assert out["frozen"][0]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16_model", "fp16_model"])
 def test_half_precision_models(worlds, dtype):
     results = worlds(2).run(train_modes, ["hook:bf16", "hook:fp16", "dp:fp16"], 30, {"dtype": dtype, "lr": 0.05})
@@ -214,6 +308,11 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: hooks.fp16_compress_hook("world", None), TypeError, "hook state must be None, a torch.distributed"),
     (lambda: hooks.GradSyncState(codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: hooks.GradSyncState(process_group=3), TypeError, "process_group must be"),
+    (lambda: hooks.GradSyncState(error_feedback="no"), TypeError, "error_feedback must be True or False"),
+    (lambda: hooks.GradSyncState(prescale=0.0), ValueError, "prescale must be a finite, non-zero number"),
+    (lambda: hooks.GradSyncState(postscale="2"), ValueError, "postscale must be a finite, non-zero number"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), error_feedback=None), TypeError, "error_feedback must be"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), broadcast_buffers="yes"), TypeError, "broadcast_buffers must"),
     (lambda: gradsync.DataParallel(torch.nn.ReLU()), ValueError, "no parameters that require gradients"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
