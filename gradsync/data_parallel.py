@@ -6,6 +6,7 @@ gradients are written back before ``backward()`` returns.
 """
 import contextlib
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Optional
@@ -127,6 +128,7 @@ class DataParallel(torch.nn.Module):
         self._step_task = None  # the autograd graph task of the step in progress
         self._grads_seen = False  # whether that step has accumulated a gradient yet
         self._outputs_hooked = False  # whether the last forward's outputs start the step
+        self._warned_outside = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _add_bucket(self, params, error_feedback):
@@ -207,7 +209,14 @@ class DataParallel(torch.nn.Module):
 
     def _on_grad(self, param):
         if self._step_task is None:  # not a backward through this wrapper's outputs, or under no_sync
-            if self._outputs_hooked or not self._sync:
+            if not self._sync:
+                return
+            if self._outputs_hooked:
+                if not self._warned_outside:
+                    self._warned_outside = True
+                    warnings.warn("gradsync.DataParallel: a backward pass that did not go through the wrapper's "
+                                  "outputs accumulated gradients; they are not averaged (this warning is shown once)",
+                                  RuntimeWarning, stacklevel=2)
                 return
             self._start_step()  # outputs in a container _tensors_in does not open: start here
         self._grads_seen = True
