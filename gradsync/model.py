@@ -186,7 +186,7 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
 
     `plain`: torch's ring (fp32 wire, one add per hop, no encode or decode, no agreement check).
     `check_call`: gradsync's agreement check before the data: one hop of small messages up to
-    DIRECT_EXCHANGE_RANKS ranks, n-1 hops around the ring beyond.
+    DIRECT_EXCHANGE_RANKS ranks, n-1 hops around the ring beyond and over NCCL.
     `slice_bytes`: the slice cap; by default the kernels' transport's.
     """
     if n == 1 or numel == 0:
@@ -223,7 +223,9 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     if link.shared_cores:
         rs += (n - 1) * _exposed(wire, c_red + c_net)
         ag += (n - 1) * _exposed(wire, c_dec + c_net)
-    check = (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1) * link.latency if check_call and not plain else 0.0
+    check = 0.0
+    if check_call and not plain:  # over NCCL (a host issuing hops) the records always go around the ring
+        check = link.latency if n <= DIRECT_EXCHANGE_RANKS and not kernels.hop else (n - 1) * max(link.latency, kernels.hop)
     total = check + rs + ag
     if kernels.hop and not plain:  # the host issues 2(n-1)m hops; the last one's transfer and kernel follow
         total = max(total, check + 2 * (n - 1) * m * kernels.hop + a + g + c_dec)

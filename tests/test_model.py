@@ -115,6 +115,9 @@ def test_a_host_that_issues_every_hop_bounds_the_ring():
     assert model.ring_time(NUMEL, n, fast, host_bound, "fp16", slice_bytes=model.NCCL_SLICE_BYTES, check_call=False) == \
         pytest.approx(2 * (n - 1) * hop)
     assert model.ring_time(NUMEL, n, fast, host_bound, plain=True) == 0.0  # NCCL's ring: one kernel
+    # over NCCL the agreement check goes around the ring whatever n: n - 1 more hops the host issues
+    assert model.ring_time(NUMEL, n, fast, host_bound, "fp16", slice_bytes=model.NCCL_SLICE_BYTES) == \
+        pytest.approx(2 * (n - 1) * hop + (n - 1) * hop)
 
 
 def test_the_nccl_slice_cap_is_the_one_the_model_chooses():
