@@ -21,7 +21,10 @@ struct DeviceBuffer {
       check_cuda(e, "cudaMemset");
     }
   }
-  ~DeviceBuffer() { cudaFree(ptr); }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  void leak() { ptr = nullptr; }  // for memory that kernels still queued may write
   void* ptr = nullptr;
 };
 
@@ -101,7 +104,11 @@ std::vector<NcclHopCost> measure_nccl_hop_cost(int device, int hops, const std::
       }
     }
   } catch (...) {
-    comm.abort(compute.stream);  // nothing queued may outlive the buffers
+    if (!comm.abort(compute.stream)) {  // nothing queued may outlive the buffers
+      local.leak();
+      send.leak();
+      recv.leak();
+    }
     throw;
   }
   return costs;
