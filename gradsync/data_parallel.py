@@ -75,9 +75,10 @@ class DataParallel(torch.nn.Module):
       agreement check runs again).
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
       it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
-      parameter frozen after wrapping (``requires_grad=False``) contributes zeros and keeps its
-      ``.grad``. Parameters replaced or added after wrapping, and moving the module to another
-      device, are not followed: wrap the model once it is final and on its device.
+      parameter frozen after wrapping (``requires_grad=False``) without a gradient contributes
+      zeros and is given none. A move to another device (which replaces the parameters) or weights loaded
+      with ``assign=True`` make the next forward raise; parameters added after wrapping are not
+      followed: wrap the model once it is final and on its device.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
@@ -108,6 +109,7 @@ class DataParallel(torch.nn.Module):
         self.process_group = _resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
         self._device = params[0].device
+        self._probe = next(module.parameters())
         self._sync = True
         self._root = dist.get_global_rank(self.process_group, 0)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
@@ -158,6 +160,12 @@ class DataParallel(torch.nn.Module):
         return [list(b.params) for b in self._buckets]
 
     def forward(self, *args, **kwargs):
+        probe = next(self.module.parameters(), None)  # moving to another device replaces parameters
+        if probe is not self._probe or probe.device != self._device:
+            where = "gone" if probe is None else f"on {probe.device}"
+            raise RuntimeError(f"gradsync.DataParallel: the module's parameters were moved or replaced after it was "
+                               f"wrapped (its first is now {where}, its buckets on {self._device}); move the module "
+                               "and load its weights first, then wrap it")
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
             buffers = list(self.module.buffers())
             if buffers:

@@ -250,6 +250,10 @@ def data_parallel_steps(rank, size):
         plain.module.layers[0].weight.requires_grad_(False)
         plain(x.detach())["loss"].backward()
         out["frozen"] = (plain.module.layers[0].weight.grad is None, digest(grads(plain.module.layers[1])))
+
+        plain.to("meta")  # moved after wrapping: refused with a reason
+        with pytest.raises(RuntimeError, match="moved or replaced after it was wrapped .its first is now on meta"):
+            plain(x.detach())
     finally:
         gradsync.data_parallel.all_reduce = issue
     return out
