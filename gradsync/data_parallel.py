@@ -5,10 +5,6 @@ gradsync's ring as soon as its last gradient arrives, while backward goes on, an
 gradients are written back before ``backward()`` returns.
 """
 import contextlib
-import dataclasses
-import warnings
-import weakref
-from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -32,27 +28,6 @@ class _Bucket:
         self.work = None
 
 
-def _tensors_in(obj):
-    """The tensors of a module's output: tensors, lists, tuples, mappings and dataclasses of them."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors_in(item)]
-    if isinstance(obj, Mapping):
-        return [t for item in obj.values() for t in _tensors_in(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
-    return []
-
-
-def _start_step_hook(owner):
-    def hook(grad):
-        model = owner()
-        if model is not None:
-            model._start_step()
-    return hook
-
-
 class DataParallel(torch.nn.Module):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
@@ -68,17 +43,17 @@ class DataParallel(torch.nn.Module):
       steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
-    - A step is a backward pass through this wrapper's outputs (not one through the wrapped module
-      called directly, nor ``torch.autograd.grad``, which fills no ``.grad``). Reentrant activation
-      checkpointing runs nested backward passes inside it: still one all-reduce per bucket and step.
-      A step whose backward raised is abandoned at the next one (its calls are waited for, and the
-      agreement check runs again).
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
       it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
       parameter frozen after wrapping (``requires_grad=False``) without a gradient contributes
-      zeros and is given none. A move to another device (which replaces the parameters) or weights loaded
-      with ``assign=True`` make the next forward raise; parameters added after wrapping are not
-      followed: wrap the model once it is final and on its device.
+      zeros and is given none. Wrap the model once it is final and on its device: a forward after
+      its parameters were moved to another device, replaced (``load_state_dict(assign=True)``) or
+      unfrozen raises.
+    - A step whose backward raised is abandoned at the next forward (its calls are waited for).
+    - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
+      called directly communicates too (on every rank, or it waits for the others), and reentrant
+      activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
+      (right, but repeated work; lossy codecs round again): prefer ``use_reentrant=False``.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
@@ -109,7 +84,7 @@ class DataParallel(torch.nn.Module):
         self.process_group = _resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
         self._device = params[0].device
-        self._probe = next(module.parameters())
+        self._param_ids = {id(p) for p in module.parameters()}
         self._sync = True
         self._root = dist.get_global_rank(self.process_group, 0)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
@@ -127,10 +102,7 @@ class DataParallel(torch.nn.Module):
             self._add_bucket(current, error_feedback)
         self._next = 0  # the next bucket to issue, in order
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
-        self._step_task = None  # the autograd graph task of the step in progress
-        self._grads_seen = False  # whether that step has accumulated a gradient yet
-        self._outputs_hooked = False  # whether the last forward's outputs start the step
-        self._warned_outside = False
+        self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _add_bucket(self, params, error_feedback):
@@ -160,26 +132,24 @@ class DataParallel(torch.nn.Module):
         return [list(b.params) for b in self._buckets]
 
     def forward(self, *args, **kwargs):
-        probe = next(self.module.parameters(), None)  # moving to another device replaces parameters
-        if probe is not self._probe or probe.device != self._device:
-            where = "gone" if probe is None else f"on {probe.device}"
-            raise RuntimeError(f"gradsync.DataParallel: the module's parameters were moved or replaced after it was "
-                               f"wrapped (its first is now {where}, its buckets on {self._device}); move the module "
-                               "and load its weights first, then wrap it")
+        self._check_parameters()
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_step()  # the last backward raised before its end
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
             buffers = list(self.module.buffers())
             if buffers:
                 self._broadcast(buffers)
-        output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            # the gradient of an output is computed before any parameter's, in the outermost graph task
-            hook = _start_step_hook(weakref.ref(self))
-            self._outputs_hooked = False
-            for t in _tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(hook)
-                    self._outputs_hooked = True
-        return output
+        return self.module(*args, **kwargs)
+
+    def _check_parameters(self):
+        params = list(self.module.parameters())
+        if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
+                all(p in self._bucket_of for p in params if p.requires_grad):
+            return
+        raise RuntimeError("gradsync.DataParallel: the module's parameters were moved to another device, replaced "
+                           "or unfrozen after it was wrapped, and gradsync would not average them; move the module, "
+                           f"load its weights and choose its trainable parameters first, then wrap it (buckets on "
+                           f"{self._device})")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -190,46 +160,28 @@ class DataParallel(torch.nn.Module):
         finally:
             self._sync = previous
 
-    def _start_step(self):
-        task = torch._C._current_graph_task_id()
-        if task == self._step_task or not self._sync:
+    def _on_grad(self, param):
+        if not self._sync:
             return
-        if self._step_task is not None:
-            self._abandon_step()
-        self._step_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[param].ready += 1
+        self._issue(force=False)
 
     def _abandon_step(self):
-        """A step whose backward raised never reached _finish_backward: let its calls end."""
+        """A step that did not reach its end: its calls finish before its buffers are reused."""
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):
                     bucket.work.wait()
         self._reset()
-        self._checked = False  # if the ranks went apart in that step, the next one says so
 
     def _reset(self):
         for bucket in self._buckets:
             bucket.ready, bucket.work = 0, None
         self._next = 0
-        self._step_task = None
-        self._grads_seen = False
-
-    def _on_grad(self, param):
-        if self._step_task is None:  # not a backward through this wrapper's outputs, or under no_sync
-            if not self._sync:
-                return
-            if self._outputs_hooked:
-                if not self._warned_outside:
-                    self._warned_outside = True
-                    warnings.warn("gradsync.DataParallel: a backward pass that did not go through the wrapper's "
-                                  "outputs accumulated gradients; they are not averaged (this warning is shown once)",
-                                  RuntimeWarning, stacklevel=2)
-                return
-            self._start_step()  # outputs in a container _tensors_in does not open: start here
-        self._grads_seen = True
-        self._bucket_of[param].ready += 1
-        self._issue(force=False)
+        self._in_backward = False
 
     def _issue(self, force):
         while self._next < len(self._buckets):
@@ -247,9 +199,6 @@ class DataParallel(torch.nn.Module):
             self._next += 1
 
     def _finish_backward(self):
-        if not self._grads_seen:  # no gradient accumulated (e.g. torch.autograd.grad): nothing to average
-            self._reset()
-            return
         try:
             self._issue(force=True)
             for bucket in self._buckets:

@@ -208,7 +208,7 @@ class Segments(torch.nn.Module):
 
 
 def data_parallel_steps(rank, size):
-    """What a step is: (case, outcome) pairs, with the all-reduces each case issued counted."""
+    """Steps at the edges: (case, outcome) pairs, with the all-reduces each case issued counted."""
     calls = []
     issue = gradsync.data_parallel.all_reduce
     gradsync.data_parallel.all_reduce = lambda *a, **k: calls.append(1) or issue(*a, **k)
@@ -238,37 +238,44 @@ def data_parallel_steps(rank, size):
             plain(batch(rank, 1 + step)[0])["loss"].backward()
             out[f"after failure {step}"] = (len(calls), digest(grads(plain)))
 
-        calls.clear()  # a backward of the wrapped module itself, on one rank only: local, no call
-        if rank == 0:
-            with pytest.warns(RuntimeWarning, match="did not go through the wrapper's outputs"):
-                plain.module(x.detach())["loss"].backward()
+        calls.clear()
         x = x.detach().requires_grad_()
         torch.autograd.grad(plain(x)["loss"], x)  # fills no .grad: nothing to average
-        out["bare backward and autograd.grad calls"] = len(calls)
+        out["autograd.grad calls"] = len(calls)
 
-        plain.zero_grad()  # a parameter frozen after wrapping keeps no gradient
+        plain.zero_grad()  # a parameter frozen after wrapping is given no gradient
         plain.module.layers[0].weight.requires_grad_(False)
         plain(x.detach())["loss"].backward()
         out["frozen"] = (plain.module.layers[0].weight.grad is None, digest(grads(plain.module.layers[1])))
+        plain.module.layers[0].weight.requires_grad_(True)
 
-        plain.to("meta")  # moved after wrapping: refused with a reason
-        with pytest.raises(RuntimeError, match="moved or replaced after it was wrapped .its first is now on meta"):
-            plain(x.detach())
+        for change, words in (("unfrozen", "replaced or unfrozen after it was wrapped"),
+                              ("moved", "moved to another device")):
+            module = Segments(False)
+            module.layers[0].bias.requires_grad_(False)
+            model = gradsync.DataParallel(module, codec="none", bucket_cap_mb=BUCKET_MB)
+            if change == "unfrozen":
+                module.layers[0].bias.requires_grad_(True)
+            else:
+                model.to("meta")  # replaces the parameters
+            with pytest.raises(RuntimeError, match=words):
+                model(x.detach())
+            out[change] = "refused"
     finally:
         gradsync.data_parallel.all_reduce = issue
     return out
 
 
-def test_data_parallel_steps_are_backward_passes_through_its_outputs(worlds):
+def test_data_parallel_at_the_edges_of_a_step(worlds):
     results = worlds(2).run(data_parallel_steps)
     for case in results[0]:
         assert results[0][case] == results[1][case], f"{case}: ranks differ"
     out = results[0]
     buckets = out["buckets"]
-    assert buckets > 1
-    assert out["plain"][0] == buckets and out["checkpointed"] == out["plain"]  # one call per bucket, same bits
+    assert buckets > 1 and out["plain"][0] == buckets
+    assert out["checkpointed"][1] == out["plain"][1]  # reentrant checkpointing: more calls, the same bits
     assert out["after failure 0"][0] == out["after failure 1"][0] == buckets
-    assert out["bare backward and autograd.grad calls"] == 0
+    assert out["autograd.grad calls"] == 0
     assert out["frozen"][0]
 
 
