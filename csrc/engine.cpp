@@ -210,8 +210,9 @@ void RingEngine::after_failure(const Job& job, const char* what, int64_t posted_
 #endif
   if (in_flight) {
     broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + what;
-    // receives posted straight into the result (codec "none") stay posted: a late peer still lands there
-    new at::Tensor(job.tensor);  // leaked on purpose, as the workspaces below
+    // receives posted straight into a host result (codec "none") stay posted: a late peer still lands
+    // there (CUDA tensors over the process group receive into the pinned workspaces only)
+    if (!job.tensor.is_cuda()) new at::Tensor(job.tensor);  // leaked on purpose, as the workspaces below
   }
   if (in_flight || device_in_flight) {  // never reused: messages or kernels may still write them
     new at::Tensor(std::move(recv_image_));  // leaked on purpose; the next call allocates new ones
