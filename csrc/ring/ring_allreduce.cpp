@@ -24,6 +24,7 @@ int64_t CodecRingKernels::payload_bytes(int64_t n) const {
 
 void CpuRingKernels::encode(int64_t begin, int64_t n, void* out) {
   if (residual_) return reduce_encode_feedback(nullptr, begin, n, out);
+  if (out == local_at(begin) && prescale_ == 1.0f && wire_ == dtype_) return;  // already its own payload
   if (fp8()) {
     fp8_encode_cpu(fp8_format(), local_at(begin), dtype_, n, prescale_, static_cast<uint8_t*>(out), 0,
                    fp8_num_blocks(n));
@@ -165,15 +166,23 @@ struct RingCallLayout {
   uint32_t tag(int step, int k) const { return tag_base + static_cast<uint32_t>(step * k_max + k); }
   // Where a reduced payload of the all-gather is received: straight into the result when decoding
   // it would only copy it, else into the receive image.
-  uint8_t* landing(int c, int k) const {
-    void* direct = kernels.result_as_payload(plan.slice_begin(c, k));
-    return direct ? static_cast<uint8_t*>(direct) : slot(recv_image, c, k);
+  uint8_t* landing(int c, int k) const { return in_result(c, k) ? in_result(c, k) : slot(recv_image, c, k); }
+  // Where this rank's outgoing payload of a slice is written and sent from: in place in the result
+  // when it doubles as the payload (each element of the input is read once in the reduce-scatter,
+  // by the kernel that overwrites it), else in the send image.
+  uint8_t* outgoing(int c, int k) const { return in_result(c, k) ? in_result(c, k) : slot(send_image, c, k); }
+  uint8_t* in_result(int c, int k) const {
+    return static_cast<uint8_t*>(kernels.result_as_payload(plan.slice_begin(c, k)));
   }
-  void encode(int c, int k) const { kernels.encode(plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k)); }
+  void encode(int c, int k) const { kernels.encode(plan.slice_begin(c, k), plan.slice_len(c, k), outgoing(c, k)); }
   void reduce_encode(int c, int k) const {
-    kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), slot(send_image, c, k));
+    kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), outgoing(c, k));
   }
   void decode(const uint8_t* payload, int c, int k) const { kernels.decode(payload, plan.slice_begin(c, k), plan.slice_len(c, k)); }
+  // This rank's own reduced slice into the result, unless it was reduced there.
+  void decode_own(int k) const {
+    if (!in_result(own, k)) decode(slot(send_image, own, k), own, k);
+  }
 
   Transport& t;
   RingKernels& kernels;
@@ -198,14 +207,14 @@ void ring_posted_ahead(const RingCallLayout& L) {
   }
   for (int k = 0; k < plan.slices(r); ++k) {
     L.encode(r, k);
-    t.send(L.slot(L.send_image, r, k), L.bytes(r, k), L.next, L.tag(0, k));
+    t.send(L.outgoing(r, k), L.bytes(r, k), L.next, L.tag(0, k));
   }
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s - 1, n);
     for (int k = 0; k < plan.slices(c); ++k) {
       t.wait(handles[s * L.k_max + k]);
       L.reduce_encode(c, k);
-      if (s < n - 2) t.send(L.slot(L.send_image, c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
+      if (s < n - 2) t.send(L.outgoing(c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
     }
   }
   t.wait_all();
@@ -216,8 +225,8 @@ void ring_posted_ahead(const RingCallLayout& L) {
     const int c = mod(r - s, n);
     for (int k = 0; k < plan.slices(c); ++k) handles[s * L.k_max + k] = t.recv(L.landing(c, k), L.bytes(c, k), L.prev, L.tag(n - 1 + s, k));
   }
-  for (int k = 0; k < plan.slices(L.own); ++k) t.send(L.slot(L.send_image, L.own, k), L.bytes(L.own, k), L.next, L.tag(n - 1, k));
-  for (int k = 0; k < plan.slices(L.own); ++k) L.decode(L.slot(L.send_image, L.own, k), L.own, k);
+  for (int k = 0; k < plan.slices(L.own); ++k) t.send(L.outgoing(L.own, k), L.bytes(L.own, k), L.next, L.tag(n - 1, k));
+  for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
   for (int s = 0; s < n - 1; ++s) {
     const int c = mod(r - s, n);
     for (int k = 0; k < plan.slices(c); ++k) {
@@ -265,9 +274,9 @@ void ring_paired(const RingCallLayout& L) {
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-      const int64_t h = hop(s, cs, L.slot(L.send_image, cs, k), cr, L.slot(L.recv_image, cr, k), k);
+      const int64_t h = hop(s, cs, L.outgoing(cs, k), cr, L.slot(L.recv_image, cr, k), k);
       if (h >= 0) {
-        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.slot(L.send_image, cr, k));
+        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.outgoing(cr, k));
       }
     }
   }
@@ -276,7 +285,7 @@ void ring_paired(const RingCallLayout& L) {
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-      const uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? L.slot(L.send_image, L.own, k) : L.landing(cs, k)) : nullptr;
+      const uint8_t* payload = k < plan.slices(cs) ? (s == 0 ? L.outgoing(L.own, k) : L.landing(cs, k)) : nullptr;
       const int64_t h = hop(n - 1 + s, cs, payload, cr, L.landing(cr, k), k);
       if (h >= 0 && L.landing(cr, k) == L.slot(L.recv_image, cr, k)) {
         defer([&t, &L, h, cr, k] { t.wait(h); L.decode(L.landing(cr, k), cr, k); }, nullptr);
@@ -285,7 +294,7 @@ void ring_paired(const RingCallLayout& L) {
       }
     }
     if (s == 0) {
-      for (int k = 0; k < plan.slices(L.own); ++k) L.decode(L.slot(L.send_image, L.own, k), L.own, k);
+      for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
     }
   }
   flush();
@@ -299,7 +308,7 @@ void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, ui
   const RingCallLayout layout(t, kernels, plan, recv_image, send_image, tag_base);
   if (plan.ranks() == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
     for (int k = 0; k < plan.slices(0); ++k) layout.encode(0, k);
-    for (int k = 0; k < plan.slices(0); ++k) layout.decode(layout.slot(send_image, 0, k), 0, k);
+    for (int k = 0; k < plan.slices(0); ++k) layout.decode_own(k);
     return;
   }
   if (t.posts_receives_ahead()) ring_posted_ahead(layout);

@@ -25,8 +25,10 @@ class RingKernels {
   virtual void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) = 0;
   // result = decode(in) * postscale
   virtual void decode(const void* in, int64_t begin, int64_t n) = 0;
-  // Where the payload of elements [begin, ...) may be received when decoding it would only copy it
-  // (codec "none", postscale 1, memory the transport reaches); nullptr otherwise.
+  // Where the payload of elements [begin, ...) may live in the result itself, when decoding it
+  // would only copy it (codec "none", postscale 1, memory the transport reaches): the all-gather
+  // receives there, and this rank's own payloads are encoded and reduced there in place (out ==
+  // result in encode and reduce_encode). nullptr otherwise.
   virtual void* result_as_payload(int64_t begin) { (void)begin; return nullptr; }
 };
 
@@ -123,10 +125,11 @@ void exchange_ring_calls(Transport& transport, RingCall* table, uint32_t tag);
 void compare_ring_calls(const RingCall* table, int n);
 
 // The all-reduce. `recv_image` and `send_image` are workspaces of plan.layout(...) bytes each, in
-// memory the transport and the kernels can both use. The result is written only in the all-gather,
-// slice by slice as the reduced payloads arrive (decoded while they are still in cache); the local
-// input is no longer read by then, so result and input may be the same memory. A transport failure
-// during the all-gather can leave the result partly written.
+// memory the transport and the kernels can both use. The result is written in the all-gather,
+// slice by slice as the reduced payloads arrive (decoded while they are still in cache), and, where
+// it doubles as the payload (RingKernels::result_as_payload), by the reduce-scatter's kernels, each
+// element after its one read of the input: result and input may be the same memory. A transport
+// failure can leave the result partly written.
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
 
