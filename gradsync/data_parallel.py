@@ -25,6 +25,7 @@ class _Bucket:
         self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device) if error_feedback else None
         self.ready = 0
+        self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
         self.work = None
 
 
@@ -46,7 +47,7 @@ class DataParallel(torch.nn.Module):
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
       it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
       parameter frozen after wrapping (``requires_grad=False``) without a gradient contributes
-      zeros and is given none. Wrap the model once it is final and on its device: a forward after
+      zeros, is given none and does not hold back its bucket. Wrap the model once it is final and on its device: a forward after
       its parameters were moved to another device, replaced (``load_state_dict(assign=True)``) or
       unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
@@ -166,6 +167,8 @@ class DataParallel(torch.nn.Module):
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            for bucket in self._buckets:  # a parameter frozen since wrapping gets no gradient to wait for
+                bucket.expected = sum(1 for p in bucket.params if p.requires_grad)
         self._bucket_of[param].ready += 1
         self._issue(force=False)
 
@@ -186,7 +189,7 @@ class DataParallel(torch.nn.Module):
     def _issue(self, force):
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
-            if not force and bucket.ready < len(bucket.params):
+            if not force and bucket.ready < bucket.expected:
                 return
             grads = []
             for p in bucket.params:

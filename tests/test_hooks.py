@@ -249,6 +249,16 @@ def data_parallel_steps(rank, size):
         out["frozen"] = (plain.module.layers[0].weight.grad is None, digest(grads(plain.module.layers[1])))
         plain.module.layers[0].weight.requires_grad_(True)
 
+        plain.zero_grad()  # ... and does not hold back its bucket, the first (layers 3 to 1)
+        plain.module.layers[3].weight.requires_grad_(False)
+        issued = []
+        handle = plain.module.layers[0].bias.register_post_accumulate_grad_hook(lambda p: issued.append(len(calls)))
+        calls.clear()
+        plain(x.detach())["loss"].backward()
+        handle.remove()
+        plain.module.layers[3].weight.requires_grad_(True)
+        out["frozen, first bucket issued in backward"] = issued == [1] and plain.module.layers[3].weight.grad is None
+
         for change, words in (("unfrozen", "replaced or unfrozen after it was wrapped"),
                               ("moved", "moved to another device")):
             module = Segments(False)
@@ -277,6 +287,7 @@ def test_data_parallel_at_the_edges_of_a_step(worlds):
     assert out["after failure 0"][0] == out["after failure 1"][0] == buckets
     assert out["autograd.grad calls"] == 0
     assert out["frozen"][0]
+    assert out["frozen, first bucket issued in backward"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16_model", "fp16_model"])
