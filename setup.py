@@ -46,7 +46,11 @@ def find_cuda_home():
     is a wrapper script outside the toolkit, so look for a folder that really holds one."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
-            return os.environ[var] if is_toolkit(os.environ[var]) else None
+            if is_toolkit(os.environ[var]):
+                return os.environ[var]
+            print(f"gradsync build: {var}={os.environ[var]} holds no bin/nvcc and include/cuda_runtime.h, "
+                  "so no CUDA toolkit is used", file=sys.stderr)
+            return None
     candidates = []
     nvcc = shutil.which("nvcc")
     if nvcc:
@@ -74,11 +78,12 @@ def want_cuda(cuda_home):
 
 def find_nccl():
     """(include dir, lib dir) of the NCCL that torch itself loads: the nvidia-nccl wheel torch depends
-    on, else NCCL_HOME, else a system NCCL."""
-    roots = []
+    on (beside torch first), else NCCL_HOME, else a system NCCL. At run time the process has one
+    libnccl.so.2, torch's: headers of another NCCL could name what it lacks."""
+    roots = [Path(torch.__file__).resolve().parents[1] / "nvidia" / "nccl"]
+    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
     if os.environ.get("NCCL_HOME"):
         roots.append(Path(os.environ["NCCL_HOME"]))
-    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
     roots += [Path("/usr"), Path("/usr/local")]
     for root in roots:
         include = root / "include"
@@ -111,7 +116,8 @@ def main():
     with_cuda = want_cuda(cuda_home)
     if with_cuda:
         os.environ["CUDA_HOME"] = cuda_home  # must be set before cpp_extension is imported
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # empty as unset: torch would guess from the GPUs seen
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH_LIST
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     sources = read_sources()
@@ -142,6 +148,15 @@ def main():
         flavour, arch_list = "cpu", None
         ext = CppExtension("gradsync._C", sources=sources["core"] + sources["bindings"],
                            include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp)
+    class BuildExt(BuildExtension.with_options(use_ninja=True)):
+        """Always runs the build: setuptools skips an extension whose library is newer than its .cpp
+        and .cu files, though its headers, the torch it builds against or the flavour changed. ninja
+        still recompiles only what did."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.force = True
+
     version = f"{BASE_VERSION}+{flavour}{tag}"
     write_build_info(version, flavour, arch_list)
     setup(
@@ -149,7 +164,7 @@ def main():
         version=version,
         packages=find_packages(include=["gradsync", "gradsync.*"]),
         ext_modules=[ext],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": BuildExt},
         install_requires=[f"torch=={torch_minor}.*"],
     )
 

@@ -13,6 +13,7 @@ out=$(cd "$out" && pwd)  # absolute: the script works from the repository's root
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1  # no network: pip must not wait for an index
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($python -c \
   "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null || echo 9.0)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -27,6 +28,9 @@ status=0
 print('nvidia-nccl:', glob.glob(d + '/include/nccl.h'), glob.glob(d + '/lib/libnccl.so*'))"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
+if ! $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"; then
+  exit 1  # every CUDA test would skip, and pass
+fi
 
 echo "== build (arch $TORCH_CUDA_ARCH_LIST)"
 if ! $python -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1; then
@@ -34,6 +38,7 @@ if ! $python -m pip install --no-build-isolation --no-deps -e . > "$out/build.lo
   exit 1
 fi
 $python -m gradsync.report | tee "$out/report.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 $python -c "import pytest, hypothesis, numpy" 2>&1 | tee "$out/tests_cuda.log" || status=1

@@ -7,7 +7,7 @@ import importlib
 
 import torch
 
-REBUILD_HINT = "reinstall gradsync against the running torch: pip install --no-build-isolation --force-reinstall ."
+REBUILD_HINT = "reinstall gradsync against the running torch: pip install --no-build-isolation --no-deps --force-reinstall ."
 
 
 def _minor(version):

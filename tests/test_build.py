@@ -1,8 +1,11 @@
 """The build: flavour-tagged version, the report command, and the torch-mismatch check."""
+import importlib.metadata
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,5 +86,10 @@ def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
 
 
 def test_tests_use_the_installed_package():
-    # The package under test carries its compiled module (a source tree without a build cannot import).
+    # The package under test is the one pip installed: the source tree only for an editable install,
+    # and it carries its compiled module.
+    installed = importlib.metadata.distribution("gradsync")
+    editable = json.loads(installed.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable", False)
+    source_tree = Path(__file__).resolve().parents[1] / "gradsync"
+    assert (Path(gradsync.__file__).resolve().parent == source_tree) == editable, (gradsync.__file__, editable)
     assert os.path.exists(gradsync._C.__file__)
