@@ -94,6 +94,14 @@ def test_report_bound_and_targets(tmp_path):
                        "gradsync fp8_e5m2 >= 3.3x torch fp32": True, "gradsync none within 10 % of torch fp32": True,
                        "every gradsync codec >= 85 % of its link bound": False}
 
+    # the bucket (500 KB at 1 Gbit/s) refills between calls: a row whose traffic it could hold a tenth
+    # of has no bound, and the report prints dashes for it
+    small = [dict(r, bytes=2**20, wire_bytes=2**20) for r in rows] + [dict(rows[0], bytes=2**24, wire_bytes=2**24)]
+    path.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": small}))
+    out, _ = report.load([str(path)])
+    assert [r["pct_bound"] is None for r in out] == [True] * len(rows) + [False]
+    assert "| – | – |" in report.markdown(out[:-1], {"ranks": 4, "date": "d", "machine": "m", "shaper": "s", "title": "t"}, [])
+
 
 def can_make_namespaces(prefix):
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc") or not shutil.which("timeout"):

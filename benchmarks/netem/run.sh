@@ -74,18 +74,21 @@ shape() {
 }
 
 # Removes our namespaces, leftovers of a killed run included: their processes first, then the
-# namespaces themselves, which takes their veths and the bridge along.
+# namespaces themselves, which takes their veths and the bridge along. One that cannot be removed
+# does not stop the others; the teardown then fails.
 teardown() {
-  local ns pid
+  local ns pid status=0
   if [[ -n $DRY ]]; then
+    echo "# of these, the namespaces that exist: their processes killed (kill -9 \$(ip netns pids NS)), then"
     for ((i = 0; i < HOSTS; i++)); do run ip netns del "$(host $i)"; done
     run ip netns del "$SW"
     return
   fi
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^${PREFIX}(sw|h[0-9]+)\$" || true); do
-    for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
-    ip netns del "$ns"
+    for pid in $(ip netns pids "$ns" 2>/dev/null || true); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" || { echo "run.sh: could not remove the namespace $ns" >&2; status=1; }
   done
+  return "$status"
 }
 
 PIDS=()
@@ -95,7 +98,7 @@ cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   echo "# teardown"
-  teardown
+  teardown || ((status)) || status=1
   exit "$status"
 }
 [[ -n $DRY ]] || { trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; }
@@ -158,3 +161,7 @@ echo "# report"
 JSONS=()
 for rate in "${RATE_LIST[@]}"; do JSONS+=("$OUT/rate-$rate.json"); done
 run "$PYTHON" "$HERE/report.py" --out "$OUT/netem" "${JSONS[@]}"
+if [[ -n $DRY ]]; then  # what the exit trap runs
+  echo "# teardown"
+  teardown
+fi
