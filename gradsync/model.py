@@ -313,11 +313,12 @@ def measured_latencies(netem):
     return latencies
 
 
-def emulated_setup(netem, kernels_path, loopback_path):
+def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
     """(latencies, kernels) for a run of benchmarks/netem/run.sh on this machine's 2 cores.
 
-    The latencies are measured (`measured_latencies`). The ranks share the cores, so the kernels
-    and the TCP stack (measured on loopback) run n / cores times slower.
+    The latencies are measured (`measured_latencies`) in the run itself or, held out, in the run
+    `latencies_from`. The ranks share the cores, so the kernels and the TCP stack (measured on
+    loopback) run n / cores times slower.
     """
     n = netem["meta"]["ranks"]
     kernels = cpu_kernels(kernels_path)
@@ -325,12 +326,14 @@ def emulated_setup(netem, kernels_path, loopback_path):
         kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
     kernels = replace(kernels, direct_bytes=netem["meta"].get("direct_bytes", 0))  # 0: runs before it existed
     name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {EMULATED_CORES} cores"
-    return measured_latencies(netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
+    return measured_latencies(latencies_from or netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
 
 
-def validate(netem, kernels_path, loopback_path, min_bytes=0):
-    """Measured against predicted for every modelled row of a netem report JSON: a list of dicts."""
-    latencies, kernels = emulated_setup(netem, kernels_path, loopback_path)
+def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=None):
+    """Measured against predicted for every modelled row of a netem report JSON: a list of dicts.
+    `latencies_from`: another run of the same hosts whose latency-bound rows give the hop latencies,
+    so that no row's own time enters its prediction."""
+    latencies, kernels = emulated_setup(netem, kernels_path, loopback_path, latencies_from)
     n = netem["meta"]["ranks"]
     out = []
     for r in netem["rows"]:
@@ -501,15 +504,22 @@ def main():
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
+    parser.add_argument("--latencies-from", help="another netem report JSON whose latency-bound rows give the hop "
+                        "latencies (held out: no row's own time in its prediction)")
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 256])
     args = parser.parse_args()
     if args.validate:
         with open(args.validate) as f:
             netem = json.load(f)
-        latencies, kernels = emulated_setup(netem, args.kernels, args.loopback)
-        print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); measured hop latency: "
+        held_out = None
+        if args.latencies_from:
+            with open(args.latencies_from) as f:
+                held_out = json.load(f)
+        latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
+        source = f" in {os.path.basename(args.latencies_from)}" if held_out else ""
+        print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); hop latency measured{source}: "
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in latencies.items() if v) + f"; {kernels.name}")
-        print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes)))
+        print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))
         print()
     cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
     print(projection_tables(bucket_mbs=args.bucket_mb, cpu=cpu))

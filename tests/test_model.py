@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -181,3 +182,39 @@ def test_predictions_against_every_emulated_run():
     assert all(abs(r["error"]) <= 0.35 for r in rows), model.validation_table(rows)
     outside = [r for r in rows if abs(r["error"]) > 0.25]
     assert len(outside) <= 2 and all(r["bytes"] < 16 << 20 for r in outside), model.validation_table(outside)
+
+
+# Held out: each run predicted with the hop latencies of another run of the same day, so that no
+# row's own time enters its prediction. (run, latencies from, kernels and loopback run of that day,
+# configurations outside 25 %)
+DAY_11_30 = ("2026-11-30-cpu-kernels-1thread.json", "2026-11-30-cpu-allreduce-4ranks.json")
+DAY_12_01 = ("2026-12-01-cpu-kernels-1thread.json", "2026-12-01-cpu-allreduce-4ranks-interleaved.json")
+HELD_OUT = [("2026-11-30-netem-4hosts.json", "2026-11-30-netem-4hosts-repeat.json", DAY_11_30, 2),
+            ("2026-11-30-netem-4hosts-repeat.json", "2026-11-30-netem-4hosts.json", DAY_11_30, 1),
+            ("2026-12-01-netem-4hosts.json", "2026-12-01-netem-4hosts-unchecked.json", DAY_12_01, 0),
+            ("2026-12-01-netem-4hosts-unchecked.json", "2026-12-01-netem-4hosts-iqm.json", DAY_12_01, 5),
+            ("2026-12-01-netem-4hosts-iqm.json", "2026-12-01-netem-4hosts.json", DAY_12_01, 3)]
+
+
+def naive_error(row):
+    """The error of the bandwidth bound alone, 2(n-1)/n S_wire over the link's TCP goodput."""
+    codec = "none" if row["impl"] == model.TORCH else row["impl"].split()[1]
+    bps = float(row["rate"].replace("mbit", "e6").replace("gbit", "e9"))
+    bound = model.link_bound(row["bytes"] // 4, 4, model.Link(row["rate"], bps / 8 * model.TCP_GOODPUT, 0.0), codec)
+    return bound * 1e3 / row["measured_ms"] - 1
+
+
+@pytest.mark.parametrize("netem_json,latencies_json,day,outside", HELD_OUT, ids=[h[0][:-5] for h in HELD_OUT])
+def test_predictions_with_latencies_from_another_run(netem_json, latencies_json, day, outside):
+    runs = []
+    for name in (netem_json, latencies_json):
+        with open(os.path.join(RESULTS, name)) as f:
+            runs.append(json.load(f))
+    rows = model.validate(runs[0], *(os.path.join(RESULTS, p) for p in day), latencies_from=runs[1])
+    misses = [r for r in rows if abs(r["error"]) > 0.25]
+    assert len(misses) == outside and all(r["bytes"] < 16 << 20 for r in misses), model.validation_table(misses)
+    assert all(abs(r["error"]) <= 0.75 for r in rows), model.validation_table(rows)
+    large = [r for r in rows if r["bytes"] >= 16 << 20]
+    assert all(abs(r["error"]) <= 0.21 for r in large), model.validation_table(large)
+    # where the link dominates, the model still says more than the bandwidth bound alone
+    assert statistics.mean(abs(r["error"]) for r in large) < statistics.mean(abs(naive_error(r)) for r in large)
