@@ -177,7 +177,7 @@ def direct_time(numel, n, link, kernels, codec, check_call=True):
     check = a if link.direct_check_latency is None else link.direct_check_latency
     out = (n - 1) * numel * WIRE_BYTES[codec]
     wire = max(0.0, out / link.bandwidth - link.bucket)
-    compute = numel * (kernels.encode[codec] + n * kernels.decode[codec]) + 2 * out * kernels.network
+    compute = numel * (kernels.encode[codec] + n * kernels.decode[codec]) + out * kernels.network  # sent and received
     return (check if check_call else 0.0) + a + wire + compute
 
 
@@ -437,21 +437,27 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
               "pay up to 64 ranks; beyond, every bucket pays 2(n-1) host hops (below: hierarchical sync).", ""]
     lines += ["## Where compression pays: per element and hop, the slower of wire and kernel, fp32 ring vs codec (ps)",
               "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's, once",
-              "hops are long enough to hide the host's cost of issuing them)",
+              "hops are long enough to hide the host's cost of issuing them; the fp32 ring is NCCL's on the GPUs",
+              "either way: host kernels are what a codec would cost if it ran on the host)",
               f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
     kernel_sets = [("GPU, assumed", kernels)] + ([("CPU, 1 thread, measured", cpu)] if cpu else [])
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         for label, ks in kernel_sets:
-            base = max(4 / link.bandwidth, ks.add)
+            base = max(4 / link.bandwidth, kernels.add)
             for codec in ("fp16", "fp8_e4m3"):
                 wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
                 lines.append(f"{link.name:<20} {label:<24} {codec:<9} {base * 1e12:>10.1f} {wire * 1e12:>11.1f} "
                              f"{kernel * 1e12:>8.1f} {'yes' if max(wire, kernel) < base else 'no':>5}")
     lines += ["", "## Best bucket: the smallest within 10 % of one all-reduce of the whole gradient (gradsync fp16)",
+              "(smaller buckets start communicating earlier in backward, which is not modelled; \"one bucket\": no",
+              "bucket smaller than the whole gradient comes within 10 %)",
               f"{'ranks':>5} {'link':<20}" + "".join(f"{m:>12}" for m, _ in MODELS)]
     for n, link in TOPOLOGIES:
-        knees = [knee_bucket(p, n, link, kernels, "gradsync fp16") for _, p in MODELS]
-        lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{(f'{k} MB' if k else '> 4 GB'):>12}" for k in knees))
+        cells = []
+        for _, params in MODELS:
+            knee = knee_bucket(params, n, link, kernels, "gradsync fp16")
+            cells.append(f"{knee} MB" if knee and knee * 2**20 < 4 * params else "one bucket")
+        lines.append(f"{n:>5} {link.name:<20}" + "".join(f"{c:>12}" for c in cells))
     regrets = slice_regrets(kernels)
     regret, case = regrets[kernels.slice_bytes]
     where = "never slower" if case is None else \
@@ -463,7 +469,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
               "the topologies above and buckets of 1 MB to 1 GB; the 1 MB cap of the CPU ring would be up to",
               f"{regrets[SLICE_BYTES][0]:.0f}x slower."]
     lines += ["", "## Where the flat ring stops scaling",
-              "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check past 8 ranks) while its",
+              "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check over NCCL) while its",
               "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
               "For gradsync's GPU ring alpha is at least the host's cost per hop.",
               f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>14}" for c in ("torch fp32", "gradsync fp16", "fp8"))]
