@@ -2,8 +2,9 @@
 # The GPU suite: on a GPU machine with torch, nvcc, ninja and cupy preinstalled (no network needed),
 # builds gradsync, runs every CUDA test, the kernel benchmarks, a one-rank
 # all-reduce over the NCCL transport and the cost of one ring hop over NCCL, and writes
-# logs and JSON into OUTDIR. Target: about 6 minutes on one H200 (the build included), so that a
-# second run still fits a 15-minute lease. The CPU tests are left to CI.
+# logs and JSON into OUTDIR, with the cost model's projections from those measurements. Target:
+# about 6 minutes on one H200 (the build included), so that a second run still fits a 15-minute
+# lease. The CPU tests are left to CI.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
 set -uo pipefail
@@ -58,6 +59,11 @@ timeout -s INT -k 10 90 $python -m torch.distributed.run --nproc-per-node 1 benc
 echo "== one ring hop over NCCL: host cost and latency, non-blocking vs blocking communicator [$((SECONDS - started))s]"
 timeout -s INT -k 10 60 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== the cost model's projections with the measured kernels and hop [$((SECONDS - started))s]"
+timeout 60 $python -m gradsync.model --gpu-kernels "$out/bench_kernels_cuda.json" --nccl-hop "$out/bench_nccl_hop.json" \
+  > "$out/model_projections.txt" 2>&1 || status=1
+head -30 "$out/model_projections.txt"
 
 echo "== done in $((SECONDS - started))s, status $status"
 exit $status

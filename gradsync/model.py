@@ -137,6 +137,21 @@ def cpu_kernels(path):
                    direct_bytes=DIRECT_BYTES)
 
 
+def gpu_kernels(kernels_path, hop_path=None):
+    """Measured GPU kernels for the projections: per-element costs from a CUDA bench_kernels.py JSON
+    (the GPU suite's bench_kernels_cuda.json, read as `cpu_kernels` reads a host one) and the host's
+    cost of issuing one ring hop, the median "issue" time of bench_nccl_hop.py's non-blocking
+    communicator (GPU_HOP_HOST, assumed, without it)."""
+    measured = cpu_kernels(kernels_path)
+    hop, how = GPU_HOP_HOST, "ASSUMED"
+    if hop_path:
+        with open(hop_path) as f:
+            issue = [r["issue_us"] for r in json.load(f)["rows"] if r["communicator"] == "non-blocking"]
+        hop, how = statistics.median(issue) * 1e-6, "measured"
+    name = f"GPU kernels measured ({os.path.basename(kernels_path)}), {hop * 1e6:.0f} us of host per hop ({how})"
+    return replace(measured, name=name, hop=hop, slice_bytes=NCCL_SLICE_BYTES, direct_bytes=0)
+
+
 def _round_up(x, k=ALIGN):
     return -(-x // k) * k
 
@@ -431,7 +446,8 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
                 cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
                 lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
             lines.append("")
-    lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us (ASSUMED) issuing each of the ring's 2(n-1) hops, while a",
+    assumed = " (ASSUMED)" if "ASSUMED" in kernels.name else ""
+    lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us{assumed} issuing each of the ring's 2(n-1) hops, while a",
               "chunk of a 25 MB bucket crosses NVLink in a few: with DDP's 25 MB buckets the GPU ring is bound",
               "by its host. Buckets of 256 MB (bucket_cap_mb=256) make each hop long enough for compression to",
               "pay up to 64 ranks; beyond, every bucket pays 2(n-1) host hops (below: hierarchical sync).", ""]
@@ -513,6 +529,9 @@ def main():
     parser.add_argument("--latencies-from", help="another netem report JSON whose latency-bound rows give the hop "
                         "latencies (held out: no row's own time in its prediction)")
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 256])
+    parser.add_argument("--gpu-kernels", help="a CUDA bench_kernels.py JSON (benchmarks/gpu_suite.sh writes one): "
+                        "measured GPU kernel costs for the projections instead of the assumed ones")
+    parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
     if args.validate:
         with open(args.validate) as f:
@@ -528,7 +547,8 @@ def main():
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))
         print()
     cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
-    print(projection_tables(bucket_mbs=args.bucket_mb, cpu=cpu))
+    gpu = gpu_kernels(args.gpu_kernels, args.nccl_hop) if args.gpu_kernels else GPU_ASSUMED
+    print(projection_tables(gpu, bucket_mbs=args.bucket_mb, cpu=cpu))
 
 
 if __name__ == "__main__":

@@ -218,3 +218,19 @@ def test_predictions_with_latencies_from_another_run(netem_json, latencies_json,
     assert all(abs(r["error"]) <= 0.21 for r in large), model.validation_table(large)
     # where the link dominates, the model still says more than the bandwidth bound alone
     assert statistics.mean(abs(r["error"]) for r in large) < statistics.mean(abs(naive_error(r)) for r in large)
+
+
+def test_projections_take_measured_gpu_costs(tmp_path):
+    # the GPU suite's JSON has the host benchmark's layout; a host one stands in for it here
+    hop = tmp_path / "bench_nccl_hop.json"
+    hop.write_text(json.dumps({"meta": {}, "rows": [
+        {"bytes": 4096, "communicator": "non-blocking", "issue_us": 20.0},
+        {"bytes": 262144, "communicator": "non-blocking", "issue_us": 24.0},
+        {"bytes": 4194304, "communicator": "non-blocking", "issue_us": 30.0},
+        {"bytes": 4096, "communicator": "blocking", "issue_us": 5.0}]}))
+    kernels = model.gpu_kernels(KERNELS_JSON, str(hop))
+    assert kernels.hop == pytest.approx(24e-6) and kernels.slice_bytes == model.NCCL_SLICE_BYTES
+    assert kernels.direct_bytes == 0 and kernels.encode == model.cpu_kernels(KERNELS_JSON).encode
+    text = model.projection_tables(kernels)
+    assert "24 us of host per hop (measured)" in text and "(ASSUMED) issuing" not in text
+    assert model.gpu_kernels(KERNELS_JSON).hop == model.GPU_HOP_HOST
