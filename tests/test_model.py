@@ -234,3 +234,22 @@ def test_projections_take_measured_gpu_costs(tmp_path):
     text = model.projection_tables(kernels)
     assert "24 us of host per hop (measured)" in text and "(ASSUMED) issuing" not in text
     assert model.gpu_kernels(KERNELS_JSON).hop == model.GPU_HOP_HOST
+
+
+# Two and three hosts (2026-12-01, 1 Gbit/s, 62 configurations each): the ring's size in the model
+# checked against runs. Outside 25 %: with two hosts seven rows of 1 and 4 KB, a few tenths of a
+# millisecond each, and the four compressed rows of 1 MB, where the model's full token bucket is
+# partly drained by the calls before; with three hosts one row of 64 KB and two of 1 MB.
+SMALLER_RINGS = [("2026-12-01-netem-2hosts.json", 11, 0.13), ("2026-12-01-netem-3hosts.json", 3, 0.07)]
+
+
+@pytest.mark.parametrize("netem_json,outside,large_tolerance", SMALLER_RINGS)
+def test_predictions_for_two_and_three_hosts(netem_json, outside, large_tolerance):
+    with open(os.path.join(RESULTS, netem_json)) as f:
+        netem = json.load(f)
+    rows = model.validate(netem, *(os.path.join(RESULTS, p) for p in DAY_12_01))
+    assert {r["bytes"] for r in rows} == {1024 * 4**k for k in range(9)} and netem["meta"]["ranks"] in (2, 3)
+    misses = [r for r in rows if abs(r["error"]) > 0.25]
+    assert len(misses) == outside and all(r["bytes"] <= 1 << 20 for r in misses), model.validation_table(misses)
+    large = [r for r in rows if r["bytes"] >= 4 << 20]
+    assert all(abs(r["error"]) <= large_tolerance for r in large), model.validation_table(large)
