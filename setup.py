@@ -99,7 +99,7 @@ def torch_tag():
     return f"torch{major}.{minor}", f"{major}.{minor}"
 
 
-def write_build_info(version, flavour, arch_list):
+def write_build_info(package_dir, version, flavour, arch_list):
     text = (
         "# Written by setup.py at build time.\n"
         f"version = {version!r}\n"
@@ -108,7 +108,7 @@ def write_build_info(version, flavour, arch_list):
         f"cuda_version = {torch.version.cuda if flavour != 'cpu' else None!r}\n"
         f"cuda_arch_list = {arch_list!r}\n"
     )
-    (ROOT / "gradsync" / "_build_info.py").write_text(text)
+    (Path(package_dir) / "_build_info.py").write_text(text)
 
 
 def main():
@@ -157,8 +157,16 @@ def main():
             super().finalize_options()
             self.force = True
 
+        def run(self):
+            super().run()
+            # only once the build succeeded, beside the library it describes: a failed or other
+            # flavour's build leaves an editable install's description alone
+            inplace = self.inplace or getattr(self, "editable_mode", False)
+            package_dir = ROOT / "gradsync" if inplace else Path(self.build_lib) / "gradsync"
+            package_dir.mkdir(parents=True, exist_ok=True)
+            write_build_info(package_dir, version, flavour, arch_list)
+
     version = f"{BASE_VERSION}+{flavour}{tag}"
-    write_build_info(version, flavour, arch_list)
     setup(
         name="gradsync",
         version=version,
