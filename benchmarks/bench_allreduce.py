@@ -1,6 +1,6 @@
 """All-reduce benchmark: gradsync's ring with each codec vs torch.distributed on the same group.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_allreduce.py [--max-bytes 64M] [--json out.json] [--plot out.png]
+    torchrun --nproc-per-node 4 benchmarks/bench_allreduce.py [--max-bytes 256M] [--json out.json] [--plot out.png]
     torchrun --nproc-per-node 8 benchmarks/bench_allreduce.py --accuracy      # error table at n = 2, 4, 8
 
 gloo on CPU, NCCL for CUDA (--device cuda). Sizes are those of the fp32 gradient buffer. Columns as in
@@ -219,7 +219,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"))
-    parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"))
+    parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("256M"))
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
     parser.add_argument("--budget-bytes", type=parse_bytes, default=parse_bytes("1G"),
                         help="iterations per row: about this many bytes, 3 to --max-iters iterations")

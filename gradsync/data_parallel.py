@@ -47,9 +47,9 @@ class DataParallel(torch.nn.Module):
     - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
       it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
       parameter frozen after wrapping (``requires_grad=False``) without a gradient contributes
-      zeros, is given none and does not hold back its bucket. Wrap the model once it is final and on its device: a forward after
-      its parameters were moved to another device, replaced (``load_state_dict(assign=True)``) or
-      unfrozen raises.
+      zeros, is given none and does not hold back its bucket. Wrap the model once it is final and
+      on its device: a forward after its parameters were moved to another device, replaced
+      (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant

@@ -456,7 +456,8 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
               "hops are long enough to hide the host's cost of issuing them; the fp32 ring is NCCL's on the GPUs",
               "either way: host kernels are what a codec would cost if it ran on the host)",
               f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
-    kernel_sets = [("GPU, assumed", kernels)] + ([("CPU, 1 thread, measured", cpu)] if cpu else [])
+    kernel_sets = [(f"GPU, {'assumed' if assumed else 'measured'}", kernels)]
+    kernel_sets += [("CPU, 1 thread, measured", cpu)] if cpu else []
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         for label, ks in kernel_sets:
             base = max(4 / link.bandwidth, kernels.add)
