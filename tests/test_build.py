@@ -53,6 +53,17 @@ def test_the_nccl_hop_benchmark_needs_a_cuda_build():
         assert callable(gradsync._C._nccl_hop_cost)
 
 
+def test_the_process_has_one_nccl_and_it_is_torchs():
+    if gradsync._C.build_info()["cuda"] is None:
+        pytest.skip("a CPU build links no NCCL")
+    # ncclGetVersion runs without a GPU: the NCCL gradsync calls is the one torch calls
+    assert gradsync._C.nccl_runtime_version() == ".".join(map(str, torch.cuda.nccl.version()))
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "libnccl.so" in line}
+        assert len(mapped) == 1, mapped
+
+
 def test_incompatibility_reasons():
     assert _extension.incompatibility("2.14.1+cu130", "13.0", "2.14.0+cu130", "13.0") is None
     assert "built for torch 2.14.1+cu130 but torch 2.13.0+cpu" in _extension.incompatibility(
@@ -88,7 +99,9 @@ def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
 def test_tests_use_the_installed_package():
     # The package under test is the one pip installed: the source tree only for an editable install,
     # and it carries its compiled module.
-    installed = importlib.metadata.distribution("gradsync")
+    # the copy an installer put there, not the metadata a build leaves in the source tree
+    installed = next(d for d in importlib.metadata.distributions()
+                     if d.metadata["Name"] == "gradsync" and d.read_text("INSTALLER"))
     editable = json.loads(installed.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable", False)
     source_tree = Path(__file__).resolve().parents[1] / "gradsync"
     assert (Path(gradsync.__file__).resolve().parent == source_tree) == editable, (gradsync.__file__, editable)
