@@ -77,18 +77,19 @@ def want_cuda(cuda_home):
 
 
 def find_nccl():
-    """(include dir, lib dir) of the NCCL that torch itself loads: the nvidia-nccl wheel torch depends
-    on (beside torch first), else NCCL_HOME, else a system NCCL. At run time the process has one
+    """(include dir, lib dir) of the NCCL that torch itself loads: the nvidia-nccl wheel beside torch,
+    else NCCL_HOME, else an nvidia-nccl wheel elsewhere on the path, else a system NCCL. At run time the process has one
     libnccl.so.2, torch's: headers of another NCCL could name what it lacks."""
     roots = [Path(torch.__file__).resolve().parents[1] / "nvidia" / "nccl"]
-    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
-    if os.environ.get("NCCL_HOME"):
+    if os.environ.get("NCCL_HOME"):  # before other packages' copies: a torch built against this NCCL
         roots.append(Path(os.environ["NCCL_HOME"]))
+    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
     roots += [Path("/usr"), Path("/usr/local")]
     for root in roots:
         include = root / "include"
         for lib in (root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"):
             if (include / "nccl.h").exists() and (lib / "libnccl.so.2").exists():
+                print(f"gradsync build: NCCL from {root}", file=sys.stderr)
                 return str(include), str(lib)
     fail("NCCL not found: install the nvidia-nccl package that torch uses (e.g. pip install nvidia-nccl-cu13) "
          "or set NCCL_HOME to a folder with include/nccl.h and lib/libnccl.so.2")
@@ -149,9 +150,9 @@ def main():
         ext = CppExtension("gradsync._C", sources=sources["core"] + sources["bindings"],
                            include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp)
     class BuildExt(BuildExtension.with_options(use_ninja=True)):
-        """Always runs the build: setuptools skips an extension whose library is newer than its .cpp
-        and .cu files, though its headers, the torch it builds against or the flavour changed. ninja
-        still recompiles only what did."""
+        """Always runs the build. torch forces it when it builds with ninja (which recompiles only
+        what changed); without ninja setuptools would skip an extension whose library is newer than
+        its .cpp and .cu files, though its headers, the torch it builds against or the flavour changed."""
 
         def finalize_options(self):
             super().finalize_options()

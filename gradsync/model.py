@@ -99,8 +99,7 @@ def memory_bound_kernels(bandwidth, name, hop=0.0, slice_bytes=SLICE_BYTES):
     """Kernels that run at `bandwidth` bytes/s over the bytes they read and write (fp32 in, w bytes per element out)."""
     enc = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
     red = {c: (4 + 2 * w) / bandwidth for c, w in WIRE_BYTES.items()}
-    dec = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}
-    dec["none"] = 0.0  # with no postscale, the all-gather receives straight into the result
+    dec = {c: (4 + w) / bandwidth for c, w in WIRE_BYTES.items()}  # "none" too: CUDA tensors are copied out
     return Kernels(name, enc, red, dec, 12 / bandwidth, hop=hop, slice_bytes=slice_bytes)
 
 
@@ -143,6 +142,10 @@ def gpu_kernels(kernels_path, hop_path=None):
     cost of issuing one ring hop, the median "issue" time of bench_nccl_hop.py's non-blocking
     communicator (GPU_HOP_HOST, assumed, without it)."""
     measured = cpu_kernels(kernels_path)
+    with open(kernels_path) as f:
+        copy = json.load(f)["meta"]["copy_gbps"] * 1e9
+    # the CUDA ring receives the all-gather in its workspace and copies it out, also with codec "none"
+    measured = replace(measured, decode=dict(measured.decode, none=8 / copy))
     hop, how = GPU_HOP_HOST, "ASSUMED"
     if hop_path:
         with open(hop_path) as f:
@@ -456,7 +459,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
               "hops are long enough to hide the host's cost of issuing them; the fp32 ring is NCCL's on the GPUs",
               "either way: host kernels are what a codec would cost if it ran on the host)",
               f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
-    kernel_sets = [(f"GPU, {'assumed' if assumed else 'measured'}", kernels)]
+    kernel_sets = [(f"GPU, {'assumed' if kernels.name.startswith('ASSUMED') else 'measured'}", kernels)]
     kernel_sets += [("CPU, 1 thread, measured", cpu)] if cpu else []
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         for label, ks in kernel_sets:

@@ -230,9 +230,11 @@ def test_projections_take_measured_gpu_costs(tmp_path):
         {"bytes": 4096, "communicator": "blocking", "issue_us": 5.0}]}))
     kernels = model.gpu_kernels(KERNELS_JSON, str(hop))
     assert kernels.hop == pytest.approx(24e-6) and kernels.slice_bytes == model.NCCL_SLICE_BYTES
-    assert kernels.direct_bytes == 0 and kernels.encode == model.cpu_kernels(KERNELS_JSON).encode
+    with open(KERNELS_JSON) as f:
+        copy = json.load(f)["meta"]["copy_gbps"] * 1e9
+    assert kernels.direct_bytes == 0 and kernels.decode["none"] == pytest.approx(8 / copy)  # copied out of the workspace
     text = model.projection_tables(kernels)
-    assert "24 us of host per hop (measured)" in text and "(ASSUMED) issuing" not in text
+    assert "24 us of host per hop (measured)" in text and "(ASSUMED) issuing" not in text and "GPU, measured" in text
     assert model.gpu_kernels(KERNELS_JSON).hop == model.GPU_HOP_HOST
 
 
