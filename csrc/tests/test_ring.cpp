@@ -145,8 +145,11 @@ void check_plan(int64_t numel, int ranks, int64_t slice) {
   CHECK(image == expected_end, "image size %ld", long(image));
 }
 
-// `direct`: direct_allreduce instead of the ring.
-void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool in_order, bool direct = false) {
+// `direct`: direct_allreduce instead of the ring; `prescale` (a power of two, so that sums stay
+// exact); `apart`: the result in a buffer of its own instead of over the input, which must then be
+// left as it was.
+void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool in_order, bool direct = false,
+                     float prescale = 1.0f, bool apart = false) {
   std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
   std::vector<double> exact(numel, 0.0);
   std::mt19937 rng(static_cast<uint32_t>(numel * 31 + ranks));
@@ -157,6 +160,8 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
       exact[i] += d[i];
     }
   }
+  const std::vector<std::vector<float>> inputs = data;
+  std::vector<std::vector<float>> results(ranks, std::vector<float>(numel, -1.0f));
   Hub hub;
   const RingPlan plan(numel, ranks, slice);
   std::vector<std::thread> threads;
@@ -165,12 +170,14 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
     threads.emplace_back([&, r] {
       try {
         LocalTransport transport(hub, r, ranks, in_order);
-        CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
+        CpuRingKernels kernels(codec, data[r].data(), apart ? results[r].data() : data[r].data(), DType::kFloat32,
+                               prescale, 1.0f);
         std::vector<int64_t> offsets;
         const int64_t bytes = direct ? direct_image_bytes(kernels, numel, ranks)
                                      : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
         std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), 1.0f, 1.0f, slice, direct}, 1u << 20);
+        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), prescale, 1.0f, slice, direct},
+                        1u << 20);
         if (direct) direct_allreduce(transport, kernels, numel, recv_image.data(), send_image.data(), 0);
         else ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
       } catch (const std::exception& e) {
@@ -183,6 +190,11 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
     CHECK(errors[r].empty(), "ranks %d numel %ld codec %d%s%s: rank %d: %s", ranks, long(numel), int(codec),
           in_order ? ", in order" : "", direct ? ", direct" : "", r, errors[r].c_str());
   }
+  if (apart) {
+    for (int r = 0; r < ranks; ++r) CHECK(data[r] == inputs[r], "ranks %d codec %d: rank %d's input changed", ranks, int(codec), r);
+    data = results;
+  }
+  for (double& e : exact) e *= prescale;
   for (int r = 1; r < ranks; ++r) {
     CHECK(std::memcmp(data[r].data(), data[0].data(), numel * 4) == 0, "ranks %d numel %ld codec %d: rank %d differs",
           ranks, long(numel), int(codec), r);
@@ -191,7 +203,7 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
   // direct exchange rounds only each contribution, below 8, once
   const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
   for (int64_t i = 0; i < numel; ++i) {
-    const double tolerance = ranks * rel * 8.0 * (direct ? 1 : ranks);
+    const double tolerance = ranks * rel * 8.0 * prescale * (direct ? 1 : ranks);
     CHECK(std::fabs(data[0][i] - exact[i]) <= tolerance, "ranks %d numel %ld codec %d: [%ld] %g vs %g", ranks,
           long(numel), int(codec), long(i), data[0][i], exact[i]);
   }
@@ -212,6 +224,9 @@ int main() {
         for (bool in_order : {false, true}) {
           check_allreduce(ranks, numel, codec, 256, in_order);
           check_allreduce(ranks, numel, codec, 256, in_order, /*direct=*/true);
+          check_allreduce(ranks, numel, codec, 256, in_order, false, /*prescale=*/0.25f);
+          check_allreduce(ranks, numel, codec, 256, in_order, false, 0.25f, /*apart=*/true);
+          check_allreduce(ranks, numel, codec, 256, in_order, false, 1.0f, /*apart=*/true);
         }
       }
     }
