@@ -78,8 +78,8 @@ def want_cuda(cuda_home):
 
 def find_nccl():
     """(include dir, lib dir) of the NCCL that torch itself loads: the nvidia-nccl wheel beside torch,
-    else NCCL_HOME, else an nvidia-nccl wheel elsewhere on the path, else a system NCCL. At run time the process has one
-    libnccl.so.2, torch's: headers of another NCCL could name what it lacks."""
+    else NCCL_HOME, else an nvidia-nccl wheel elsewhere on the path, else a system NCCL. At run time
+    the process has one libnccl.so.2, torch's: headers of another NCCL could name what it lacks."""
     roots = [Path(torch.__file__).resolve().parents[1] / "nvidia" / "nccl"]
     if os.environ.get("NCCL_HOME"):  # before other packages' copies: a torch built against this NCCL
         roots.append(Path(os.environ["NCCL_HOME"]))
@@ -149,6 +149,7 @@ def main():
         flavour, arch_list = "cpu", None
         ext = CppExtension("gradsync._C", sources=sources["core"] + sources["bindings"],
                            include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp)
+
     class BuildExt(BuildExtension.with_options(use_ninja=True)):
         """Always runs the build. torch forces it when it builds with ninja (which recompiles only
         what changed); without ninja setuptools would skip an extension whose library is newer than
