@@ -166,11 +166,17 @@ struct RingCallLayout {
   uint32_t tag(int step, int k) const { return tag_base + static_cast<uint32_t>(step * k_max + k); }
   // Where a reduced payload of the all-gather is received: straight into the result when decoding
   // it would only copy it, else into the receive image.
-  uint8_t* landing(int c, int k) const { return in_result(c, k) ? in_result(c, k) : slot(recv_image, c, k); }
+  uint8_t* landing(int c, int k) const {
+    uint8_t* result = in_result(c, k);
+    return result ? result : slot(recv_image, c, k);
+  }
   // Where this rank's outgoing payload of a slice is written and sent from: in place in the result
   // when it doubles as the payload (each element of the input is read once in the reduce-scatter,
   // by the kernel that overwrites it), else in the send image.
-  uint8_t* outgoing(int c, int k) const { return in_result(c, k) ? in_result(c, k) : slot(send_image, c, k); }
+  uint8_t* outgoing(int c, int k) const {
+    uint8_t* result = in_result(c, k);
+    return result ? result : slot(send_image, c, k);
+  }
   uint8_t* in_result(int c, int k) const {
     return static_cast<uint8_t*>(kernels.result_as_payload(plan.slice_begin(c, k)));
   }
