@@ -260,7 +260,7 @@ def main():
         if args.json:
             meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__,
                     "direct_bytes": gradsync.distributed.DIRECT_BYTES if device.type == "cpu" else 0,
-                    "statistic": "interquartile mean of the calls, slowest rank"}
+                    "statistic": "interquartile mean of the calls, slowest rank", "rounds": args.rounds}
             if not args.accuracy:
                 meta["p2p_latency_us"] = latency * 1e6
                 print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")

@@ -14,7 +14,7 @@ exchange instead (``direct_time``: the check and one exchange of every rank with
 with the backward pass, and the many-level rings and trees NCCL builds on real clusters.
 
 The emulated cluster (benchmarks/netem) adds what a real one lacks and the model then describes:
-a token bucket that starts full, and ranks that share two cores, so that a hop's latency is mostly
+a token bucket that each call finds as the calls before it left it, and ranks that share two cores, so that a hop's latency is mostly
 waiting for a core (less when fewer ranks move data at once) and a rank's transfers and kernels
 take turns. There the hop latencies are measured: gloo's all_reduce and gradsync's ring from small
 all-reduces, a quiet hop from a ping-pong.
@@ -55,6 +55,7 @@ class Link:
     bandwidth: float  # bytes/s each rank sends (and receives) on its ring hop
     latency: float    # alpha: seconds per hop for a message, software included
     bucket: float = 0.0  # an emulated link's token bucket, in seconds at line rate: idle time it gives back
+    bucket_start: float = None  # what the bucket holds as the call starts, seconds at line rate (None: full)
     quiet_latency: float = None  # a hop's latency while the other ranks idle, where that is less (ranks sharing cores)
     shared_cores: bool = False  # the ranks take turns on one host's cores (an emulated cluster)
     direct_latency: float = None  # an exchange of every rank with every other, where it differs from a hop
@@ -67,6 +68,10 @@ class Link:
         if self.quiet_latency is None:
             return self.latency
         return self.quiet_latency + (self.latency - self.quiet_latency) * active / n
+
+    def tokens(self):
+        """Seconds of traffic the bucket lets through at once as the call starts."""
+        return self.bucket if self.bucket_start is None else min(self.bucket, self.bucket_start)
 
 
 @dataclass(frozen=True)
@@ -188,12 +193,12 @@ def takes_direct_exchange(numel, n, codec, direct_bytes):
 def direct_time(numel, n, link, kernels, codec, check_call=True):
     """Seconds for gradsync's direct exchange of a small buffer: the agreement check and the exchange,
     each every rank with every other at once (a latency each), then n-1 payloads out of and into
-    each rank; the rank encodes its contribution and decodes all n. A full token bucket lets the
-    payloads through at once, up to its size."""
+    each rank; the rank encodes its contribution and decodes all n. The token bucket lets the
+    payloads through at once, up to what it holds."""
     a = link.latency if link.direct_latency is None else link.direct_latency
     check = a if link.direct_check_latency is None else link.direct_check_latency
     out = (n - 1) * numel * WIRE_BYTES[codec]
-    wire = max(0.0, out / link.bandwidth - link.bucket)
+    wire = max(0.0, out / link.bandwidth - link.tokens())
     compute = numel * (kernels.encode[codec] + n * kernels.decode[codec]) + out * kernels.network  # sent and received
     return (check if check_call else 0.0) + a + wire + compute
 
@@ -247,11 +252,13 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     if kernels.hop and not plain:  # the host issues 2(n-1)m hops; the last one's transfer and kernel follow
         total = max(total, check + 2 * (n - 1) * m * kernels.hop + a + g + c_dec)
     if link.bucket and link.bandwidth != float("inf"):
-        # a token bucket starts full: its first `bucket` seconds of traffic leave at once, which no
-        # step can bank on but the whole call can, down to the time it would take on an unshaped link
+        # The token bucket refills while the link idles and lets what it holds leave at once: the
+        # call banks what it found plus the refill over its idle time, up to the bucket's size, down
+        # to the time it would take on an unshaped link. (No single step can bank it; the call can.)
         unshaped = ring_time(numel, n, replace(link, bandwidth=float("inf"), bucket=0.0), kernels, codec,
                              plain=plain, slice_bytes=slice_bytes, check_call=check_call)
-        total = max(unshaped, total - link.bucket)
+        idle = max(0.0, total - 2 * (n - 1) * m * wire)
+        total = max(unshaped, total - min(link.bucket, link.tokens() + idle))
     return total
 
 
@@ -346,24 +353,81 @@ def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
     return measured_latencies(latencies_from or netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
 
 
+def host_traffic_bytes(numel, n, impl, wire_bytes, direct_bytes):
+    """Bytes each host sends in one call: n-1 payloads in the direct exchange, 2(n-1)/n of one
+    around a ring (gloo's all_reduce too)."""
+    codec = impl.split()[1].split("+")[0] if impl.startswith("gradsync") else None
+    if codec in WIRE_BYTES and impl != RING_FP16 and takes_direct_exchange(numel, n, codec, direct_bytes):
+        return (n - 1) * wire_bytes
+    return 2 * (n - 1) / n * wire_bytes
+
+
+def settled_bucket(calls, capacity, passes=4):
+    """Seconds per call of a benchmark that repeats `calls` in order, round after round, through a
+    token bucket of `capacity` seconds at line rate. A call is (seconds(tokens), traffic, gap):
+    its time given what the bucket holds as it starts, the seconds at line rate it sends, and the
+    idle time after it, in which the bucket refills. Over a call the bucket gains its duration and
+    loses its traffic. Starts full; `passes` rounds settle it."""
+    tokens, times = capacity, []
+    for _ in range(passes):
+        times = []
+        for seconds, traffic, gap in calls:
+            t = seconds(tokens)
+            times.append(t)
+            tokens = min(capacity, max(0.0, tokens + t - traffic) + gap)
+    return times
+
+
+def takes_turns(meta):
+    """Whether a bench_allreduce.py run had its implementations take turns call by call: "rounds"
+    null in its meta, or, in runs from before it recorded them, "direct_bytes" there (the two came
+    in together). Otherwise each ran its calls back to back, and a call mostly follows its own kind."""
+    return meta.get("rounds", None if "direct_bytes" in meta else 1) is None
+
+
 def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=None):
     """Measured against predicted for every modelled row of a netem report JSON: a list of dicts.
     `latencies_from`: another run of the same hosts whose latency-bound rows give the hop latencies,
-    so that no row's own time enters its prediction."""
+    so that no row's own time enters its prediction.
+
+    Each host's token bucket is followed across the calls as the benchmark made them (`takes_turns`,
+    `settled_bucket`): a call finds in it what the call before left, plus the refill during the
+    benchmark's barrier (a round trip of the quiet latency) and copy of the input. The calls of an
+    implementation the model does not price (torch's fp16 hook path) take their measured time."""
     latencies, kernels = emulated_setup(netem, kernels_path, loopback_path, latencies_from)
     n = netem["meta"]["ranks"]
-    out = []
+    barrier = 2 * (latencies["quiet"] or latencies[TORCH])
+    groups = {}
     for r in netem["rows"]:
-        if r["impl"] not in VALIDATED_IMPLS or r["bytes"] < min_bytes:
-            continue
-        bps = r["rate_gbit"] * 1e9
-        latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
-        link = Link(r["rate"], bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
-                    quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None, shared_cores=True,
-                    direct_latency=latencies["direct"], direct_check_latency=latencies["direct check"])
-        predicted = allreduce_time(r["bytes"] // 4, n, link, kernels, r["impl"]) * 1e3
-        out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
-                    "predicted_ms": predicted, "error": predicted / r["time_ms"] - 1})
+        groups.setdefault((r["rate"], r["bytes"]), []).append(r)
+    out = []
+    for (rate, nbytes), rows in groups.items():
+        bps = rows[0]["rate_gbit"] * 1e9
+        numel = nbytes // 4
+        calls = []
+        for r in rows:
+            latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
+            link = Link(rate, bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
+                        quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None,
+                        shared_cores=True, direct_latency=latencies["direct"],
+                        direct_check_latency=latencies["direct check"])
+            if r["impl"] in VALIDATED_IMPLS:
+                seconds = (lambda tokens, link=link, impl=r["impl"]:
+                           allreduce_time(numel, n, replace(link, bucket_start=tokens), kernels, impl))
+            else:
+                seconds = lambda tokens, t=r["time_ms"] * 1e-3: t  # noqa: E731
+            traffic = host_traffic_bytes(numel, n, r["impl"], r["wire_bytes"], kernels.direct_bytes) / link.bandwidth
+            calls.append((seconds, traffic, barrier + numel * kernels.encode["none"]))
+        bucket = tbf_burst_bytes(bps) * 8 / bps
+        if takes_turns(netem["meta"]):
+            times = settled_bucket(calls, bucket)
+        else:
+            times = [settled_bucket([call], bucket)[0] for call in calls]
+        for r, t in zip(rows, times):
+            if r["impl"] not in VALIDATED_IMPLS or r["bytes"] < min_bytes:
+                continue
+            out.append({"rate": r["rate"], "bytes": r["bytes"], "impl": r["impl"], "measured_ms": r["time_ms"],
+                        "predicted_ms": t * 1e3, "error": t * 1e3 / r["time_ms"] - 1})
     return out
 
 
