@@ -396,6 +396,10 @@ void bind_ring(pybind11::module& m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>())
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def("abandon_group", &RingEngine::abandon_group)
+      // In a forked child: the engine's thread did not survive the fork, and its mutex and condition
+      // variable are as that thread left them, so stopping or destroying the engine could wait
+      // forever. It is kept, untouched, for the rest of the process.
+      .def("abandon_after_fork", [](std::shared_ptr<RingEngine> e) { new std::shared_ptr<RingEngine>(std::move(e)); })
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
       .def_property_readonly("nccl_device", &RingEngine::nccl_device)

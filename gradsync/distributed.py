@@ -248,4 +248,15 @@ def shutdown():
             engine.abandon_group()
 
 
+def _forget_engines_in_forked_child():
+    """A child made by fork() inherits the parent's engines but not their threads: shutting one down
+    would wait for its thread forever, at exit too. The child leaves them alone; its first
+    all-reduce on a group starts an engine of its own. (All-reduces issued before the fork do not
+    complete in the child.)"""
+    for engine in _engines.values():
+        engine.abandon_after_fork()
+    _engines.clear()
+
+
 atexit.register(shutdown)
+os.register_at_fork(after_in_child=_forget_engines_in_forked_child)

@@ -4,6 +4,8 @@ import contextlib
 import hashlib
 import itertools
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -412,6 +414,34 @@ def test_exit_after_the_group_is_destroyed_does_not_hang():
         assert max(world.run(destroy_group_first, timeout=60)) < 5
     finally:
         assert world.close(), "a rank did not exit by itself"
+
+
+FORKED_CHILD = """
+import os, sys, tempfile, time, torch, torch.distributed as dist, gradsync
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+x = torch.randn(1000)
+gradsync.all_reduce(x, codec="fp16")  # the group's engine and its thread exist now
+pid = os.fork()
+if pid == 0:  # a child with the parent's engine but not its thread
+    y = torch.randn(1000)
+    gradsync.all_reduce(y, codec="fp16")
+    assert torch.equal(y, y.half().float())
+    sys.exit(0)  # atexit: gradsync.shutdown()
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit("the forked child hung")
+"""
+
+
+def test_a_forked_child_all_reduces_and_exits():
+    child = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    assert child.returncode == 0, child.stderr[-3000:]
 
 
 def world_of_one(rank, size):
