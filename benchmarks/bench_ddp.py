@@ -1,7 +1,7 @@
 """Training-step benchmark: DDP's default all-reduce, torch's fp16 hook, gradsync's hooks and
 gradsync.DataParallel on a model of GPT-2 small's parameter count.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--params 124M] [--json out.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--params 124e6] [--json out.json]
 
 The model is a deep MLP (GPT-2 small's 124M parameters in 12 square layers) so that a CPU step is
 dominated by gradient traffic as in real data parallelism, not by attention kernels. Rows are
