@@ -438,9 +438,9 @@ sys.exit("the forked child hung")
 """
 
 
-def test_a_forked_child_all_reduces_and_exits():
+def test_a_forked_child_all_reduces_and_exits(tmp_path):
     child = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+                           env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), cwd=tmp_path)  # the installed gradsync
     assert child.returncode == 0, child.stderr[-3000:]
 
 
