@@ -14,9 +14,9 @@ exchange instead (``direct_time``: the check and one exchange of every rank with
 with the backward pass, and the many-level rings and trees NCCL builds on real clusters.
 
 The emulated cluster (benchmarks/netem) adds what a real one lacks and the model then describes:
-a token bucket that each call finds as the calls before it left it, and ranks that share two cores, so that a hop's latency is mostly
-waiting for a core (less when fewer ranks move data at once) and a rank's transfers and kernels
-take turns. There the hop latencies are measured: gloo's all_reduce and gradsync's ring from small
+a token bucket, which each call finds as the calls before it left it, and ranks that share two
+cores, so that a hop's latency is mostly waiting for a core (less when fewer ranks move data at
+once) and a rank's transfers and kernels take turns. There the hop latencies are measured: gloo's all_reduce and gradsync's ring from small
 all-reduces, a quiet hop from a ping-pong.
 
 Kernel costs come in seconds per fp32 element. For CPUs they are measured (``bench_kernels.py``
@@ -403,11 +403,11 @@ def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=Non
     out = []
     for (rate, nbytes), rows in groups.items():
         bps = rows[0]["rate_gbit"] * 1e9
-        numel = nbytes // 4
+        numel, bucket = nbytes // 4, tbf_burst_bytes(bps) * 8 / bps
         calls = []
         for r in rows:
             latency = latencies[TORCH if r["impl"] == TORCH else "gradsync"]
-            link = Link(rate, bps / 8 * TCP_GOODPUT, latency, bucket=tbf_burst_bytes(bps) * 8 / bps,
+            link = Link(rate, bps / 8 * TCP_GOODPUT, latency, bucket=bucket,
                         quiet_latency=min(latencies["quiet"], latency) if latencies["quiet"] else None,
                         shared_cores=True, direct_latency=latencies["direct"],
                         direct_check_latency=latencies["direct check"])
@@ -418,7 +418,6 @@ def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=Non
                 seconds = lambda tokens, t=r["time_ms"] * 1e-3: t  # noqa: E731
             traffic = host_traffic_bytes(numel, n, r["impl"], r["wire_bytes"], kernels.direct_bytes) / link.bandwidth
             calls.append((seconds, traffic, barrier + numel * kernels.encode["none"]))
-        bucket = tbf_burst_bytes(bps) * 8 / bps
         if takes_turns(netem["meta"]):
             times = settled_bucket(calls, bucket)
         else:

@@ -417,8 +417,8 @@ def test_exit_after_the_group_is_destroyed_does_not_hang():
 
 
 FORKED_CHILD = """
-import os, sys, tempfile, time, torch, torch.distributed as dist, gradsync
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import os, sys, time, torch, torch.distributed as dist, gradsync
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)
 x = torch.randn(1000)
 gradsync.all_reduce(x, codec="fp16")  # the group's engine and its thread exist now
 pid = os.fork()
