@@ -16,8 +16,8 @@ with the backward pass, and the many-level rings and trees NCCL builds on real c
 The emulated cluster (benchmarks/netem) adds what a real one lacks and the model then describes:
 a token bucket, which each call finds as the calls before it left it, and ranks that share two
 cores, so that a hop's latency is mostly waiting for a core (less when fewer ranks move data at
-once) and a rank's transfers and kernels take turns. There the hop latencies are measured: gloo's all_reduce and gradsync's ring from small
-all-reduces, a quiet hop from a ping-pong.
+once) and a rank's transfers and kernels take turns. There the hop latencies are measured: gloo's
+all_reduce and gradsync's ring from small all-reduces, a quiet hop from a ping-pong.
 
 Kernel costs come in seconds per fp32 element. For CPUs they are measured (``bench_kernels.py``
 JSON). No GPU kernel has been timed yet: the GPU figures are an *assumption*, a memory-bound
@@ -511,8 +511,8 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
                 cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
                 lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
             lines.append("")
-    assumed = " (ASSUMED)" if "ASSUMED" in kernels.name else ""
-    lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us{assumed} issuing each of the ring's 2(n-1) hops, while a",
+    hop_assumed = " (ASSUMED)" if "ASSUMED" in kernels.name else ""  # the kernels', or only the hop's
+    lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us{hop_assumed} issuing each of the ring's 2(n-1) hops, while a",
               "chunk of a 25 MB bucket crosses NVLink in a few: with DDP's 25 MB buckets the GPU ring is bound",
               "by its host. Buckets of 256 MB (bucket_cap_mb=256) make each hop long enough for compression to",
               "pay up to 64 ranks; beyond, every bucket pays 2(n-1) host hops (below: hierarchical sync).", ""]
