@@ -353,7 +353,8 @@ GS_AVX2 inline __m128i fp8_codes8(__m256 v, __m256 max_value) {
 
 // Eight values(codes) * decode_scale. The code, placed in an fp16's bits (e5m2 is fp16's top byte;
 // e4m3's fields sit one bit lower and are rebiased by an exact multiply), is widened by F16C;
-// NaN codes become the same NaN bits as the scalar path's (kNoSpecial: the caller knows there are none).
+// NaN codes become the same NaN bits as the scalar path's. kNoSpecial: the caller knows there are
+// none, and passes the scale with the rebiasing folded in (half_decode_scale).
 template <Fp8Format F, bool kNoSpecial = false>
 GS_AVX2 inline __m256 fp8_values8(const uint8_t* codes, __m256 decode_scale) {
   const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
@@ -366,12 +367,21 @@ GS_AVX2 inline __m256 fp8_values8(const uint8_t* codes, __m256 decode_scale) {
   } else {
     // sign stays, the fields move one bit down: the arithmetic shift copies the sign, the mask drops the copy
     const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
+    if constexpr (kNoSpecial) return _mm256_mul_ps(_mm256_cvtph_ps(half), decode_scale);
     v = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
-    if constexpr (kNoSpecial) return _mm256_mul_ps(v, decode_scale);
     nan_lanes = _mm256_cmp_ps(_mm256_andnot_ps(sign_mask, v), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
   }
   const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign_mask), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
   return _mm256_mul_ps(_mm256_blendv_ps(v, nan, nan_lanes), decode_scale);
+}
+
+// decode_scale times e4m3's rebiasing factor 256 (e5m2 needs none): multiplying by the product
+// gives the bits of multiplying by the factors in turn, as the first is exact, unless the product
+// overflows; then this returns false and the caller takes the general path.
+template <Fp8Format F>
+inline bool half_decode_scale(float decode_scale, float* out) {
+  *out = F == Fp8Format::kE4M3 ? decode_scale * 256.0f : decode_scale;
+  return std::fabs(*out) <= 3.40282347e38f || !(std::fabs(decode_scale) <= 3.40282347e38f);
 }
 
 // Whether a whole block's codes include a special one: NaN (e4m3), infinity or NaN (e5m2).
@@ -390,20 +400,60 @@ template <Fp8Format F>
 GS_AVX2 inline void fp8_values_avx2(const uint8_t* codes, int64_t n, float decode_scale, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   int64_t i = 0;
-  if (n == kFp8BlockSize && !has_special_codes<F>(codes)) {
-    for (; i < n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F, true>(codes + i, d));
+  float hd = 0.0f;
+  if (n == kFp8BlockSize && half_decode_scale<F>(decode_scale, &hd) && !has_special_codes<F>(codes)) {
+    const __m256 h = _mm256_set1_ps(hd);
+    for (; i < n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F, true>(codes + i, h));
     return;
   }
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fp8_values8<F>(codes + i, d));
   fp8_values_scalar<F>(codes + i, n - i, decode_scale, out + i);
 }
 
+// The fp16 bits of eight lanes v = x * 2^(bias - 15), x finite and at most the format's largest
+// value in magnitude, rounded to the format: on this scale the format's grid is fp16's exponent
+// range with M mantissa bits, so one rounding constant serves every lane and nothing is clamped.
+template <Fp8Format F>
+GS_AVX2 inline __m128i fp8_halves_finite8(__m256 v) {
+  constexpr int kM = Fp8Traits<F>::kManBits;
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i abs_bits = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
+  const __m256i exp = _mm256_max_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f800000)),
+                                       _mm256_set1_epi32((127 - 14) << 23));
+  const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(exp, _mm256_set1_epi32((23 - kM) << 23)));
+  __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(abs_bits), magic), magic);
+  r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(abs_bits, x)));  // sign
+  return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// Sixteen codes from the fp16 bits of fp8_halves_finite8, as in fp8_codes8.
+template <Fp8Format F>
+GS_AVX2 inline __m128i fp8_codes16(__m128i low, __m128i high) {
+  constexpr int kM = Fp8Traits<F>::kManBits;
+  if constexpr (kM == 2) return _mm_packus_epi16(_mm_srli_epi16(low, 8), _mm_srli_epi16(high, 8));
+  const __m128i sign_weights = _mm_set1_epi16(static_cast<int16_t>(0x8001));
+  return _mm_packs_epi16(_mm_maddubs_epi16(_mm_srli_epi16(low, 10 - kM), sign_weights),
+                         _mm_maddubs_epi16(_mm_srli_epi16(high, 10 - kM), sign_weights));
+}
+
 template <Fp8Format F, bool kAllFinite>
 GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_t max_code, uint8_t* out) {
   using T = Fp8Traits<F>;
+  constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
+  int64_t i = 0;
+  // Finite blocks take the short loop: all but those whose saturation point is lowered (absmax
+  // within a few binades of FLT_MAX) or whose multiplier on fp16's scale would be subnormal.
+  const float half_mul = mul * pow2(kBias - 15);
+  if (kAllFinite && max_code == T::kMaxCode && half_mul >= 1.17549435e-38f) {
+    const __m256 hm = _mm256_set1_ps(half_mul);
+    for (; i + 16 <= n; i += 16) {
+      const __m128i low = fp8_halves_finite8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), hm));
+      const __m128i high = fp8_halves_finite8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8), hm));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), fp8_codes16<F>(low, high));
+    }
+  }
   const __m256 m = _mm256_set1_ps(mul);
   const __m256 max_value = _mm256_set1_ps(minifloat_to_float<T::kExpBits, T::kManBits>(max_code));
-  int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i codes = fp8_codes8<F, kAllFinite>(_mm256_mul_ps(_mm256_loadu_ps(v + i), m), max_value);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), codes);
@@ -463,11 +513,13 @@ GS_AVX2 inline BlockSum fp8_block_sum_avx2_t(const uint8_t* codes, float decode_
                                              float prescale, const float* residual, int64_t n, float* out) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   const __m256 s = _mm256_set1_ps(prescale);
-  if (n == kFp8BlockSize && !(kIn && has_special_codes<F>(codes))) {
+  float hd = 0.0f;
+  if (n == kFp8BlockSize && !(kIn && (!half_decode_scale<F>(decode_scale, &hd) || has_special_codes<F>(codes)))) {
+    const __m256 h = _mm256_set1_ps(hd);
     __m256i top = _mm256_setzero_si256();
     for (int64_t i = 0; i < n; i += 8) {
       __m256 v = _mm256_mul_ps(load8<L>(local, i), s);
-      if constexpr (kIn) v = _mm256_add_ps(fp8_values8<F, true>(codes + i, d), v);
+      if constexpr (kIn) v = _mm256_add_ps(fp8_values8<F, true>(codes + i, h), v);
       if constexpr (kResidual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
       _mm256_storeu_ps(out + i, v);
       top = _mm256_max_epu32(top, abs_bits8(v));
@@ -521,9 +573,11 @@ GS_AVX2 inline void fp8_feedback_residual_avx2(const uint8_t* codes, float decod
                                                bool codes_finite, float* residual) {
   const __m256 d = _mm256_set1_ps(decode_scale);
   int64_t i = 0;
-  if (codes_finite) {
+  float hd = 0.0f;
+  if (codes_finite && half_decode_scale<F>(decode_scale, &hd)) {
+    const __m256 h = _mm256_set1_ps(hd);
     for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(residual + i, feedback_residual8(_mm256_loadu_ps(sum + i), fp8_values8<F, true>(codes + i, d)));
+      _mm256_storeu_ps(residual + i, feedback_residual8(_mm256_loadu_ps(sum + i), fp8_values8<F, true>(codes + i, h)));
     }
   }
   for (; i + 8 <= n; i += 8) {
@@ -616,6 +670,18 @@ struct Avx2Isa {
 };
 #endif
 
+// The fp8 loops spend long enough on each block that the hardware prefetcher alone leaves a
+// gradient read from DRAM waiting; they prefetch its lines this many blocks ahead.
+constexpr int64_t kPrefetchBlocks = 8;
+
+GS_ALWAYS_INLINE void prefetch_block(const void* base, DType t, int64_t block, int64_t n) {
+  const int64_t start = block * kFp8BlockSize;
+  if (!base || start >= n) return;
+  const char* p = static_cast<const char*>(base) + start * dtype_size(t);
+  const int64_t bytes = std::min<int64_t>(kFp8BlockSize, n - start) * dtype_size(t);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line);
+}
+
 // Encodes one block of fp32 values: its codes at `codes`, its decode scale at `scale_at`.
 template <Fp8Format F, class Isa>
 GS_ALWAYS_INLINE void fp8_encode_block(const float* block, int64_t len, BlockSum sum, uint8_t* codes,
@@ -634,6 +700,7 @@ GS_ALWAYS_INLINE void fp8_encode_loop(const void* src, DType st, int64_t n, floa
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    prefetch_block(src, st, b + kPrefetchBlocks, n);
     const BlockSum sum = Isa::convert_absmax(static_cast<const char*>(src) + start * dtype_size(st), st, len, scale, block);
     fp8_encode_block<F, Isa>(block, len, sum, payload + start, scales + 4 * b);
   }
@@ -650,6 +717,8 @@ GS_ALWAYS_INLINE void fp8_reduce_encode_loop(const uint8_t* in, const void* loca
   for (int64_t b = 0; b < fp8_num_blocks(n); ++b) {
     const int64_t start = b * kFp8BlockSize;
     const int64_t len = std::min<int64_t>(kFp8BlockSize, n - start);
+    prefetch_block(local, lt, b + kPrefetchBlocks, n);
+    prefetch_block(residual, DType::kFloat32, b + kPrefetchBlocks, n);
     float in_scale = 0.0f;
     if (in) std::memcpy(&in_scale, in + fp8_scales_offset(n) + 4 * b, 4);
     const BlockSum sum = Isa::template block_sum<F>(in ? in + start : nullptr, in_scale,

@@ -59,6 +59,65 @@ void check_convert_paths_agree() {
   set_cpu_isa("auto");
 }
 
+// Blocks as gradients make them: each block's values within some binades of its own magnitude, that
+// magnitude anywhere from subnormal to FLT_MAX, few mantissa bits so that many values are exact
+// ties on the fp8 grid, zeros of both signs. Every kernel gives the scalar path's bits on them.
+std::vector<float> graded_blocks(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> x(n);
+  for (int64_t b = 0; b < n; b += kFp8BlockSize) {
+    const int top = static_cast<int>(rng() % 278) - 149;  // the block's largest binade, 2^-149 .. 2^128
+    const int spread = static_cast<int>(rng() % 40);
+    for (int64_t i = b; i < std::min(n, b + kFp8BlockSize); ++i) {
+      const int e = std::max(-149, top - 1 - static_cast<int>(rng() % (spread + 1)));
+      const uint32_t r = rng();
+      float v = std::ldexp(static_cast<float>(r % 64) + 64.0f, e - 6);  // 7 significant bits at 2^e
+      if (r % 97 == 0) v = 0.0f;
+      x[i] = (r >> 31) ? -v : v;
+    }
+  }
+  return x;
+}
+
+void check_fp8_paths_agree_on_graded_blocks() {
+  if (!set_cpu_isa("avx2")) return;
+  const int64_t n = kFp8BlockSize * 4000 + 77;
+  const std::vector<float> x = graded_blocks(n, 7), y = graded_blocks(n, 8);
+  const int64_t nb = fp8_num_blocks(n), bytes = fp8_payload_bytes(n);
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (DType st : kTypes) {
+      std::vector<uint8_t> src(n * 4), local(n * 4);
+      convert_cpu(x.data(), DType::kFloat32, src.data(), st, n, 1.0f);
+      convert_cpu(y.data(), DType::kFloat32, local.data(), st, n, 1.0f);
+      for (float scale : {1.0f, 0.3f}) {
+        std::vector<uint8_t> enc[2], sum[2], fed[2];
+        std::vector<float> dec[2], residual[2];
+        for (int isa = 0; isa < 2; ++isa) {
+          set_cpu_isa(isa ? "avx2" : "scalar");
+          enc[isa].resize(bytes);
+          sum[isa].resize(bytes);
+          fed[isa].resize(bytes);
+          dec[isa].resize(n);
+          fp8_encode_cpu(f, src.data(), st, n, scale, enc[isa].data(), 0, nb);
+          fp8_reduce_encode_cpu(f, enc[0].data(), local.data(), st, n, scale, sum[isa].data());
+          fp8_decode_cpu(f, sum[0].data(), n, scale, dec[isa].data(), DType::kFloat32, 0, nb);
+          residual[isa] = y;
+          for (float& r : residual[isa]) r *= 0.01f;
+          fp8_reduce_encode_feedback_cpu(f, enc[0].data(), local.data(), st, n, scale, residual[isa].data(),
+                                         fed[isa].data());
+        }
+        CHECK(fed[0] == fed[1] && std::memcmp(residual[0].data(), residual[1].data(), n * 4) == 0,
+              "fp8 %d feedback, local dtype %d, scale %g: paths differ", int(f), int(st), scale);
+        CHECK(enc[0] == enc[1], "fp8 %d encode from dtype %d, scale %g: paths differ", int(f), int(st), scale);
+        CHECK(sum[0] == sum[1], "fp8 %d reduce-encode, local dtype %d, scale %g: paths differ", int(f), int(st), scale);
+        CHECK(std::memcmp(dec[0].data(), dec[1].data(), n * 4) == 0, "fp8 %d decode, scale %g: paths differ", int(f),
+              scale);
+      }
+    }
+  }
+  set_cpu_isa("auto");
+}
+
 void check_fp8_roundtrip() {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> exponent(-30.0f, 30.0f), spread(-2.0f, 2.0f);
@@ -201,6 +260,7 @@ void check_feedback_kernels() {
 int main() {
   check_convert_paths_agree();
   check_fp8_roundtrip();
+  check_fp8_paths_agree_on_graded_blocks();
   check_multi_tensor_copy();
   check_feedback_kernels();
   return gradsync_test::finish("kernels_cpu");
