@@ -115,9 +115,9 @@ void fp8_codes_scalar(const float* v, int64_t n, float mul, uint32_t max_code, u
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp8<F>(v[i] * mul, max_code);
 }
 
-// The streaming loops prefetch their gradient source this far ahead: on the machines measured the
-// hardware prefetcher alone left a source read from DRAM waiting (the fp16 hop of 16M elements,
-// one thread: 0.58-0.60 -> 0.47-0.48 ns per element), and it does not cross 4 KB pages.
+// The loops over a gradient prefetch it this far ahead: on the machine measured the hardware
+// prefetcher alone left a source read from DRAM waiting (the fp16 hop of 16M elements, one thread:
+// 0.58-0.60 -> 0.47-0.48 ns per element), and it does not cross 4 KB pages.
 constexpr int64_t kPrefetchBytes = 8192;
 
 inline void prefetch_ahead(const void* base, DType t, int64_t i, int64_t n) {
