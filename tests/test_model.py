@@ -295,10 +295,11 @@ def test_projections_take_measured_gpu_costs(tmp_path):
 # eight of 1 and 4 KB (0.2-1.2 ms), gradsync none at 64 KB, the five gradsync rows of 256 KB (1.5-2.4
 # ms measured, 1.0-1.2 predicted) and torch fp32 at 1 MB; with three hosts none. Two hosts once more
 # on the faster kernels (the "prefetch" run): six outside, four rows of 4 KB (0.5-1.0 ms), gradsync
-# none at 16 KB and fp16 at 256 KB.
+# none at 16 KB and fp16 at 256 KB; three hosts on them, three: fp8 at 4 and 16 KB (1.5-1.6 ms
+# measured, 2.0 predicted).
 SMALLER_RINGS = [("2026-12-01-netem-2hosts.json", 10, 0.13), ("2026-12-01-netem-3hosts.json", 1, 0.08),
                  ("2026-12-01-netem-2hosts-rerun.json", 15, 0.15), ("2026-12-01-netem-3hosts-rerun.json", 0, 0.07),
-                 ("2026-12-01-netem-2hosts-prefetch.json", 6, 0.14)]
+                 ("2026-12-01-netem-2hosts-prefetch.json", 6, 0.14), ("2026-12-01-netem-3hosts-prefetch.json", 3, 0.08)]
 
 
 @pytest.mark.parametrize("netem_json,outside,large_tolerance", SMALLER_RINGS)
