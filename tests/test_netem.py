@@ -169,3 +169,25 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
             proc.kill()
             proc.wait()
     assert not [ns for ns in namespaces() if ns.startswith(prefix)]
+
+
+NICE_LOOPS = """
+import os, sys, tempfile
+import torch.distributed as dist
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+import bench_allreduce
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+dist.barrier()
+loops = [int(t) for t in os.listdir("/proc/self/task")
+         if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"]
+assert bench_allreduce.nice_gloo_loops(7) == len(loops) > 0, loops
+assert all(os.getpriority(os.PRIO_PROCESS, t) == 7 for t in loops)
+assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the calling thread keeps its own
+dist.destroy_process_group()
+"""
+
+
+def test_the_benchmark_can_lower_only_gloos_loop_threads():
+    result = subprocess.run([sys.executable, "-c", NICE_LOOPS, ROOT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
