@@ -1,7 +1,9 @@
 """Builds gradsync._C against the torch already installed (pip install --no-build-isolation .).
 
 Flavour: CUDA when torch is a CUDA build and a CUDA toolkit is found, CPU otherwise;
-GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14.
+GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14, except
+in an sdist and what is built from one: the sdist cannot know the flavour its builds will have,
+and pip requires a build to keep the version of its sdist (the flavour is in gradsync.report).
 """
 import os
 import shutil
@@ -19,11 +21,16 @@ def fail(message):
     sys.exit(f"gradsync build error: {message}")
 
 
-try:
-    import torch
-except ImportError:
-    fail("torch must be installed before gradsync, which builds against it: "
-         "pip install torch, then pip install --no-build-isolation .")
+# `setup.py sdist` (also what `python -m build --sdist` runs) only packs the sources: no torch needed
+MAKING_SDIST = [a for a in sys.argv[1:] if not a.startswith("-")][:1] == ["sdist"]
+FROM_SDIST = (ROOT / "PKG-INFO").exists()  # an unpacked sdist: no .git, and setuptools wrote PKG-INFO
+
+if not MAKING_SDIST:
+    try:
+        import torch
+    except ImportError:
+        fail("torch must be installed before gradsync, which builds against it: "
+             "pip install torch, then pip install --no-build-isolation .")
 
 
 def read_sources():
@@ -104,6 +111,7 @@ def write_build_info(package_dir, version, flavour, arch_list):
     text = (
         "# Written by setup.py at build time.\n"
         f"version = {version!r}\n"
+        f"from_sdist = {FROM_SDIST!r}\n"
         f"flavour = {flavour!r}\n"
         f"torch_version = {torch.__version__!r}\n"
         f"cuda_version = {torch.version.cuda if flavour != 'cpu' else None!r}\n"
@@ -112,7 +120,19 @@ def write_build_info(package_dir, version, flavour, arch_list):
     (Path(package_dir) / "_build_info.py").write_text(text)
 
 
+def sdist_version():
+    """The version an unpacked sdist was made with (its PKG-INFO)."""
+    for line in (ROOT / "PKG-INFO").read_text().splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    fail("PKG-INFO names no version")
+
+
 def main():
+    packages = find_packages(include=["gradsync", "gradsync.*"])
+    if MAKING_SDIST:
+        setup(name="gradsync", version=BASE_VERSION, packages=packages, install_requires=["torch"])
+        return
     cuda_home = find_cuda_home()
     with_cuda = want_cuda(cuda_home)
     if with_cuda:
@@ -168,11 +188,11 @@ def main():
             package_dir.mkdir(parents=True, exist_ok=True)
             write_build_info(package_dir, version, flavour, arch_list)
 
-    version = f"{BASE_VERSION}+{flavour}{tag}"
+    version = sdist_version() if FROM_SDIST else f"{BASE_VERSION}+{flavour}{tag}"
     setup(
         name="gradsync",
         version=version,
-        packages=find_packages(include=["gradsync", "gradsync.*"]),
+        packages=packages,
         ext_modules=[ext],
         cmdclass={"build_ext": BuildExt},
         install_requires=[f"torch=={torch_minor}.*"],
