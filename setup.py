@@ -3,7 +3,8 @@
 Flavour: CUDA when torch is a CUDA build and a CUDA toolkit is found, CPU otherwise;
 GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14, except
 in an sdist and what is built from one: the sdist cannot know the flavour its builds will have,
-and pip requires a build to keep the version of its sdist (the flavour is in gradsync.report).
+and pip, installing from an index, requires a build to keep its sdist's version (the flavour is in
+gradsync.report).
 """
 import os
 import shutil

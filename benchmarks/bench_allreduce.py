@@ -160,7 +160,8 @@ def nice_gloo_loops(niceness):
     """Runs this process's gloo TCP event-loop threads at `niceness`; returns how many there were.
 
     A loop thread polls epoll, which is level-triggered, and skips a pair whose lock another thread
-    holds (a send or receive being posted), so it spins until that thread lets go (pytorch/gloo#246).
+    holds (one posting a send or a receive, or writing a payload), so it spins until that thread lets
+    go (pytorch/gloo#246).
     Where ranks share cores, as the emulated hosts do, the spin takes a core from the ranks that
     would let go; a diagnostic, to tell that cost from the rest."""
     count = 0

@@ -322,9 +322,8 @@ def test_predictions_for_two_and_three_hosts(netem_json, outside, large_toleranc
 # The same three ring sizes measured right after each "gloo-default" run above with gloo's event-loop
 # threads at nice 19 (bench_allreduce.py --gloo-loop-nice 19): the small rows take 1.3x (2 hosts) to
 # 3.8x (4 hosts) less time, those of 16 to 64 MB within 10 % of the time (gradsync none at 64 MB
-# and 2 hosts: 1.10x), and the model, whose latencies
-# come from each run's own small rows, is outside 25 % in 4, 2 and 5 configurations, all of 1 MB
-# or less.
+# and 2 hosts: 1.10x), and the model, whose latencies come from each run's own small rows, is
+# outside 25 % in 4, 2 and 5 configurations, all of 1 MB or less.
 GLOO_NICE19 = [("2026-12-01-netem-2hosts-gloo-nice19.json", 4, 1.25), ("2026-12-01-netem-3hosts-gloo-nice19.json", 2, 2.5),
                ("2026-12-01-netem-4hosts-gloo-nice19.json", 5, 3.5)]
 
