@@ -54,7 +54,10 @@ class DataParallel(torch.nn.Module):
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant
       activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
-      (right, but repeated work; lossy codecs round again): prefer ``use_reentrant=False``.
+      (right, but repeated work; lossy codecs round again): prefer ``use_reentrant=False``. A
+      parameter whose gradient is accumulated again after its bucket went out in the same step (one
+      used in several reentrant checkpoints, or inside one and outside) raises, as DDP does: that
+      part of its gradient would not be averaged.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
@@ -102,6 +105,7 @@ class DataParallel(torch.nn.Module):
         if current:
             self._add_bucket(current, error_feedback)
         self._next = 0  # the next bucket to issue, in order
+        self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -169,7 +173,18 @@ class DataParallel(torch.nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             for bucket in self._buckets:  # a parameter frozen since wrapping gets no gradient to wait for
                 bucket.expected = sum(1 for p in bucket.params if p.requires_grad)
-        self._bucket_of[param].ready += 1
+        bucket = self._bucket_of[param]
+        if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
+            if bucket.work is not None:
+                name = next((n for n, q in self.module.named_parameters() if q is param), "?")
+                raise RuntimeError(
+                    f"gradsync.DataParallel: parameter {name!r} received more gradient after its bucket was "
+                    "all-reduced in this backward pass, which would leave that part unaveraged: it is used in "
+                    "several reentrant activation checkpoints, or inside one and outside it. Use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+            return  # its bucket has not gone out: the flatten will read the whole sum
+        self._arrived.add(id(param))
+        bucket.ready += 1
         self._issue(force=False)
 
     def _abandon_step(self):
@@ -184,6 +199,7 @@ class DataParallel(torch.nn.Module):
         for bucket in self._buckets:
             bucket.ready, bucket.work = 0, None
         self._next = 0
+        self._arrived.clear()
         self._in_backward = False
 
     def _issue(self, force):

@@ -58,21 +58,30 @@ class GradSyncState:
 
     def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
-        (numel, dtype, codec, scaling): on its first step, and again whenever DDP's buckets change.
-        Later steps skip the check, which costs a hop of latency per bucket (n-1 beyond 8 ranks)."""
-        params, buffer = bucket.parameters(), bucket.buffer()
+        (numel, dtype, codec, scaling): until one such all-reduce has succeeded, and again whenever
+        DDP's buckets change. Later steps skip the check, which costs a hop of latency per bucket
+        (n-1 beyond 8 ranks)."""
+        params = bucket.parameters()
+        return not params or self._check_key(bucket, codec) not in self._checked.get(id(params[0]), ())
+
+    def _check_key(self, bucket, codec):
+        buffer = bucket.buffer()
+        return (tuple(id(p) for p in bucket.parameters()), buffer.numel(), buffer.dtype, codec, self.prescale,
+                self.postscale)
+
+    def _checked_once(self, bucket, codec):
+        """A callback that records the bucket as agreed on, once its checked all-reduce has succeeded."""
+        params = bucket.parameters()
         if not params:
-            return True
-        key = (tuple(id(p) for p in params), buffer.numel(), buffer.dtype, codec, self.prescale, self.postscale)
-        anchor = id(params[0])
-        if anchor not in self._checked:
-            self._checked[anchor] = set()
-            weakref.finalize(params[0], self._checked.pop, anchor, None)
-        checked = self._checked[anchor]
-        if key in checked:
-            return False
-        checked.add(key)
-        return True
+            return lambda: None
+        key, anchor, param = self._check_key(bucket, codec), id(params[0]), weakref.ref(params[0])
+
+        def record():
+            if anchor not in self._checked and param() is not None:
+                self._checked[anchor] = set()
+                weakref.finalize(param(), self._checked.pop, anchor, None)
+            self._checked.get(anchor, set()).add(key)
+        return record
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The fp32 residual of ``bucket`` (zeros for parameters never seen before)."""
@@ -130,10 +139,19 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     codec = codec or options.codec
     buffer = bucket.buffer()
     residual = options.residual(bucket) if options.error_feedback else None
+    check = options.needs_check(bucket, codec)
     work = all_reduce(buffer, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
-                      async_op=True, residual=residual, check_call=options.needs_check(bucket, codec))
+                      async_op=True, residual=residual, check_call=check)
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
-    return work.get_future().then(_value)
+    if not check:
+        return work.get_future().then(_value)
+    record = options._checked_once(bucket, codec)
+
+    def value_once_agreed(fut):
+        value = fut.value()  # raises if the all-reduce failed: then the next call checks again
+        record()
+        return value
+    return work.get_future().then(value_once_agreed)
 
 
 def _value(fut):

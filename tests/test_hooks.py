@@ -276,6 +276,55 @@ def data_parallel_steps(rank, size):
     return out
 
 
+class SharedSegments(torch.nn.Module):
+    """One layer used in three reentrant checkpoints, between an input layer and a head outside them
+    (ALBERT's shared layers, in small): its gradient arrives once per nested backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.shared, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        for _ in range(3):
+            x = torch.utils.checkpoint.checkpoint(lambda y: torch.tanh(self.shared(y)), x, use_reentrant=True)
+        return self.head(x).square().mean()
+
+
+def shared_layer_steps(rank, size):
+    """(gradients of a step whose shared layer shares a bucket with the input layer, the same
+    averaged by torch, the error of a step whose shared layer has a bucket of its own)."""
+    x = batch(rank, 0)[0]
+    reference = SharedSegments()
+    reference(x).backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    dist.all_reduce(expected)
+    expected /= size
+
+    together = SharedSegments()  # buckets (head), (shared, first): the second waits for the input layer
+    model = gradsync.DataParallel(together, codec="none", bucket_cap_mb=0.003)
+    assert [len(b) for b in model.buckets] == [2, 4]
+    model(x).backward()
+    got = torch.cat([p.grad.flatten() for p in together.parameters()])
+
+    apart = gradsync.DataParallel(SharedSegments(), codec="none", bucket_cap_mb=0.001)
+    assert len(apart.buckets) == 3  # (head), (shared), (first): the shared layer's goes out too early
+    try:
+        apart(x).backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    apart(x.detach())  # the next forward abandons the failed step
+    return got, expected, error
+
+
+def test_data_parallel_averages_a_layer_shared_by_reentrant_checkpoints_or_raises(worlds):
+    for got, expected, error in worlds(2).run(shared_layer_steps):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7), (got - expected).abs().max()
+        assert error is not None and "'shared." in error and "use_reentrant=False" in error, error
+
+
 def test_data_parallel_at_the_edges_of_a_step(worlds):
     results = worlds(2).run(data_parallel_steps)
     for case in results[0]:
@@ -380,17 +429,34 @@ def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets()
 
 
 def mismatched_hooks(rank, size):
-    """fp16 on one rank, bf16 on the other: the same bytes on the wire, so only the check can tell."""
+    """fp16 on one rank, bf16 on the other: the same bytes on the wire, so only the check can tell.
+    Three steps (DDP rebuilds its buckets after the first): a failed check proves nothing, so every
+    later step checks again."""
     model = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
     model.register_comm_hook(None, hooks.fp16_compress_hook if rank == 0 else hooks.bf16_compress_hook)
-    x, y = batch(rank, 0)
-    try:
-        F.mse_loss(model(x), y).backward()
-    except Exception as error:  # noqa: B902 - DDP re-raises the hook's error as it was raised
-        return str(error)
-    return ""
+    messages = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        try:
+            F.mse_loss(model(x), y).backward()
+            messages.append("")
+        except Exception as error:  # noqa: B902 - DDP re-raises the hook's error as it was raised
+            messages.append(str(error))
+    return messages
 
 
-def test_ranks_with_different_codecs_fail_on_the_first_step(worlds):
-    for message in worlds(2).run(mismatched_hooks):
-        assert "the ranks disagree on the call" in message, message
+def test_ranks_with_different_codecs_fail_on_the_first_step_and_the_next(worlds):
+    for messages in worlds(2).run(mismatched_hooks):
+        for message in messages:
+            assert "the ranks disagree on the call" in message, message
+
+
+def test_a_bucket_counts_as_agreed_on_only_once_its_checked_call_succeeded():
+    a, b = torch.zeros(3), torch.zeros(5)
+    state, bucket = hooks.GradSyncState(), FakeBucket([a, b])
+    assert state.needs_check(bucket, "fp16") and state.needs_check(bucket, "fp16")  # asking records nothing
+    state._checked_once(bucket, "fp16")()
+    assert not state.needs_check(bucket, "fp16")
+    assert state.needs_check(bucket, "bf16") and state.needs_check(FakeBucket([b, a]), "fp16")
+    del a, bucket
+    assert not state._checked  # dropped with the bucket's first parameter
