@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import _check_flag, _resolve_group, all_reduce
-from .ops import _check_codec, flatten, unflatten
+from .ops import FLOAT_DTYPES, _check_codec, flatten, unflatten
 
 __all__ = ["DataParallel"]
 
@@ -35,9 +35,10 @@ class DataParallel(torch.nn.Module):
     - At construction, parameters and buffers are broadcast from the group's rank 0, so every
       replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
       before every training-mode forward, as DDP does.
-    - Trainable parameters are split into buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in
-      reverse registration order (the order backward produces them; the first bucket is 1 MiB
-      so that communication starts early). Each bucket is packed by one fused flatten kernel and
+    - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
+      buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
+      backward produces them; the first bucket is 1 MiB so that communication starts early). Each
+      bucket is packed by one fused flatten kernel and
       all-reduced by gradsync's ring on the wire ``codec``, with fp32 sums at every hop, as soon as
       its last gradient has been accumulated; buckets are issued in the same order on every rank.
       The first synchronized step verifies that every rank has the same buckets and codec; later
@@ -79,6 +80,10 @@ class DataParallel(torch.nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("gradsync.DataParallel: the module has no parameters that require gradients")
+        for name, p in module.named_parameters():
+            if p.requires_grad and p.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"gradsync.DataParallel: parameter {name!r} is {p.dtype}; gradsync averages "
+                                "float32, float16 and bfloat16 gradients")
         devices = sorted({str(t.device) for t in list(module.parameters()) + list(module.buffers())})
         if len(devices) > 1:
             raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "
@@ -173,6 +178,10 @@ class DataParallel(torch.nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             for bucket in self._buckets:  # a parameter frozen since wrapping gets no gradient to wait for
                 bucket.expected = sum(1 for p in bucket.params if p.requires_grad)
+        if param.grad is not None and param.grad.layout != torch.strided:
+            name = next((n for n, q in self.module.named_parameters() if q is param), "?")
+            raise RuntimeError(f"gradsync.DataParallel: parameter {name!r} has a {param.grad.layout} gradient; gradsync "
+                               "averages dense gradients only (e.g. torch.nn.Embedding(..., sparse=False))")
         bucket = self._bucket_of[param]
         if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
             if bucket.work is not None:

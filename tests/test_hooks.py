@@ -319,6 +319,20 @@ def shared_layer_steps(rank, size):
     return got, expected, error
 
 
+def sparse_gradient_step(rank, size):
+    model = gradsync.DataParallel(torch.nn.Embedding(8, 4, sparse=True), codec="none")
+    try:
+        model(torch.tensor([rank, 3])).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_data_parallel_refuses_sparse_gradients_by_name(worlds):
+    for message in worlds(2).run(sparse_gradient_step):
+        assert "parameter 'weight' has a torch.sparse_coo gradient" in message, message
+
+
 def test_data_parallel_averages_a_layer_shared_by_reentrant_checkpoints_or_raises(worlds):
     for got, expected, error in worlds(2).run(shared_layer_steps):
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7), (got - expected).abs().max()
@@ -388,6 +402,7 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.ReLU()), ValueError, "no parameters that require gradients"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2).double()), TypeError, "parameter 'weight' is torch.float64"),
     (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
      ValueError, "on several devices (cpu, meta)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
