@@ -60,7 +60,9 @@ class DataParallel(torch.nn.Module):
       used in several reentrant checkpoints, or inside one and outside) raises, as DDP does: that
       part of its gradient would not be averaged.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
-      the next synchronized backward averages the accumulated gradients.
+      the next synchronized backward averages the accumulated gradients. As with DDP, what counts
+      is where the forward ran: the backward of a forward made inside ``no_sync()`` communicates
+      nothing, wherever it runs.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys).
@@ -94,7 +96,8 @@ class DataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._device = params[0].device
         self._param_ids = {id(p) for p in module.parameters()}
-        self._sync = True
+        self._sync = True  # False inside no_sync()
+        self._forward_synced = True  # what the last forward found: its backward communicates
         self._root = dist.get_global_rank(self.process_group, 0)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
 
@@ -145,6 +148,8 @@ class DataParallel(torch.nn.Module):
         self._check_parameters()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._abandon_step()  # the last backward raised before its end
+        if torch.is_grad_enabled():
+            self._forward_synced = self._sync
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
             buffers = list(self.module.buffers())
             if buffers:
@@ -163,7 +168,7 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate local gradients and communicate nothing."""
+        """The backward passes of forwards made inside accumulate local gradients and communicate nothing."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -171,7 +176,7 @@ class DataParallel(torch.nn.Module):
             self._sync = previous
 
     def _on_grad(self, param):
-        if not self._sync:
+        if not self._forward_synced:
             return
         if not self._in_backward:
             self._in_backward = True

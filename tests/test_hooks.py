@@ -243,6 +243,15 @@ def data_parallel_steps(rank, size):
         torch.autograd.grad(plain(x)["loss"], x)  # fills no .grad: nothing to average
         out["autograd.grad calls"] = len(calls)
 
+        for inside in ("forward", "backward"):  # as with DDP, the forward decides
+            plain.zero_grad()
+            calls.clear()
+            with plain.no_sync() if inside == "forward" else contextlib.nullcontext():
+                loss = plain(x.detach())["loss"]
+            with plain.no_sync() if inside == "backward" else contextlib.nullcontext():
+                loss.backward()
+            out[f"no_sync around the {inside}"] = len(calls)
+
         plain.zero_grad()  # a parameter frozen after wrapping is given no gradient
         plain.module.layers[0].weight.requires_grad_(False)
         plain(x.detach())["loss"].backward()
@@ -349,6 +358,7 @@ def test_data_parallel_at_the_edges_of_a_step(worlds):
     assert out["checkpointed"][1] == out["plain"][1]  # reentrant checkpointing: more calls, the same bits
     assert out["after failure 0"][0] == out["after failure 1"][0] == buckets
     assert out["autograd.grad calls"] == 0
+    assert out["no_sync around the forward"] == 0 and out["no_sync around the backward"] == buckets
     assert out["frozen"][0]
     assert out["frozen, first bucket issued in backward"]
 
