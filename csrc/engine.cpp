@@ -28,13 +28,15 @@ RingWork::RingWork(const at::Tensor& tensor)
 
 void RingWork::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [&] { return done_; });
+  // after wait() the future is complete too, as with torch's Work; but a callback of that future
+  // (run by the completing thread) that waits for this call has its outcome already
+  done_cv_.wait(lock, [&] { return released_ || (done_ && std::this_thread::get_id() == completer_); });
   if (error_) std::rethrow_exception(error_);
 }
 
 bool RingWork::is_completed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return done_;
+  return released_;
 }
 
 void RingWork::complete(std::exception_ptr error) {
@@ -43,17 +45,22 @@ void RingWork::complete(std::exception_ptr error) {
     if (done_) return;
     done_ = true;
     error_ = error;
+    completer_ = std::this_thread::get_id();
   }
-  done_cv_.notify_all();
-  // after the waiters are released: the future's callbacks run here, on the engine's thread. What
-  // they throw (or recording the future's CUDA events, on a device that has failed since) must not
-  // end that thread: wait() has the call's outcome already.
+  // the future's callbacks run here, on the engine's thread. What they throw (or recording the
+  // future's CUDA events, on a device that has failed since) must not end that thread: wait() has
+  // the call's outcome in error_.
   try {
     if (error) future_->setError(error);
     else future_->markCompleted(c10::IValue(tensor_));
   } catch (const std::exception& e) {
     TORCH_WARN("gradsync: completing an all-reduce's future failed: ", e.what());
   }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+  }
+  done_cv_.notify_all();
   tensor_ = at::Tensor();
 }
 

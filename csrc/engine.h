@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <thread>
 
 #include "ring/ring_allreduce.h"
 #include "ring/ring_plan.h"
@@ -28,7 +29,7 @@ namespace gradsync {
 class RingWork {
  public:
   explicit RingWork(const at::Tensor& tensor);
-  void wait();  // blocks; rethrows the all-reduce's error
+  void wait();  // blocks until the future is complete too; rethrows the all-reduce's error
   bool is_completed();
   void complete(std::exception_ptr error);
   c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }
@@ -38,7 +39,9 @@ class RingWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex mutex_;
   std::condition_variable done_cv_;
-  bool done_ = false;
+  bool done_ = false;      // the outcome is known (error_ holds it)
+  bool released_ = false;  // ... and the future is complete, its callbacks run
+  std::thread::id completer_;  // the thread running the future's callbacks
   std::exception_ptr error_;
 };
 

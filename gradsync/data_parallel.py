@@ -184,22 +184,24 @@ class DataParallel(torch.nn.Module):
             for bucket in self._buckets:  # a parameter frozen since wrapping gets no gradient to wait for
                 bucket.expected = sum(1 for p in bucket.params if p.requires_grad)
         if param.grad is not None and param.grad.layout != torch.strided:
-            name = next((n for n, q in self.module.named_parameters() if q is param), "?")
-            raise RuntimeError(f"gradsync.DataParallel: parameter {name!r} has a {param.grad.layout} gradient; gradsync "
-                               "averages dense gradients only (e.g. torch.nn.Embedding(..., sparse=False))")
+            raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
+                               "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
+                               "sparse=False))")
         bucket = self._bucket_of[param]
         if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
             if bucket.work is not None:
-                name = next((n for n, q in self.module.named_parameters() if q is param), "?")
                 raise RuntimeError(
-                    f"gradsync.DataParallel: parameter {name!r} received more gradient after its bucket was "
-                    "all-reduced in this backward pass, which would leave that part unaveraged: it is used in "
+                    f"gradsync.DataParallel: parameter {self._name(param)!r} received more gradient after its bucket "
+                    "was all-reduced in this backward pass, which would leave that part unaveraged: it is used in "
                     "several reentrant activation checkpoints, or inside one and outside it. Use "
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             return  # its bucket has not gone out: the flatten will read the whole sum
         self._arrived.add(id(param))
         bucket.ready += 1
         self._issue(force=False)
+
+    def _name(self, param):
+        return next((n for n, q in self.module.named_parameters() if q is param), "?")
 
     def _abandon_step(self):
         """A step that did not reach its end: its calls finish before its buffers are reused."""

@@ -221,7 +221,15 @@ def future_calls(rank, size):
     assert isinstance(fut, torch._C.Future)  # what torch.distributed Work.get_future() returns too
     value = fut.wait()
     assert value is x or value.data_ptr() == x.data_ptr()
-    return torch.equal(value, expected) and torch.equal(doubled.wait(), expected * 2)
+    same = torch.equal(value, expected) and torch.equal(doubled.wait(), expected * 2)
+
+    y = rank_input(rank, 5000, torch.float32, seed=4)
+    work, ran = gradsync.all_reduce(y, codec="fp16", async_op=True), []
+    # a slow callback that waits for its own call: no deadlock
+    work.get_future().then(lambda f: (work.wait(), time.sleep(0.2), ran.append(True)))
+    work.wait()  # ... and once wait() returns, the future is complete, its callbacks run, as with torch's Work
+    return same and work.get_future().done() and work.is_completed() and ran == [True] and \
+        work.get_future().value().data_ptr() == y.data_ptr()
 
 
 def test_the_future_holds_the_reduced_tensor(worlds):
