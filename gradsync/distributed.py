@@ -11,6 +11,7 @@ import atexit
 import math
 import numbers
 import os
+import threading
 import warnings
 from typing import Optional
 
@@ -37,6 +38,7 @@ order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
 _engines = {}
+_engines_lock = threading.Lock()
 
 
 class AllReduceWork:
@@ -137,9 +139,10 @@ def _resolve_group(group):
 
 
 def _engine(group, tensor):
-    engine = _engines.get(group)
-    if engine is None:
-        engine = _engines[group] = _C.RingEngine(group)
+    with _engines_lock:  # one engine per group, even when two threads make its first call at once
+        engine = _engines.get(group)
+        if engine is None:
+            engine = _engines[group] = _C.RingEngine(group)
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0:
             _attach_nccl(engine, group, tensor.device)

@@ -232,6 +232,38 @@ def future_calls(rank, size):
         work.get_future().value().data_ptr() == y.data_ptr()
 
 
+def concurrent_first_calls(rank, size):
+    """Eight threads make a new group's first call at once, while making an engine is slow."""
+    group = dist.new_group([0])
+    make, made = gradsync.distributed._C.RingEngine, []
+
+    def slow_engine(g):
+        time.sleep(0.05)
+        made.append(make(g))
+        return made[-1]
+    gradsync.distributed._C.RingEngine = slow_engine
+    start, engines = threading.Barrier(8), []
+
+    def first_call():
+        start.wait()
+        engines.append(gradsync.distributed._engine(group, torch.zeros(1)))
+    try:
+        threads = [threading.Thread(target=first_call) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        gradsync.distributed._C.RingEngine = make
+    x = torch.ones(3)
+    gradsync.all_reduce(x, group=group)
+    return len(made), len({id(e) for e in engines}), len(engines), x.tolist()
+
+
+def test_threads_making_a_groups_first_call_at_once_share_one_engine(worlds):
+    assert worlds(1).run(concurrent_first_calls) == [(1, 1, 8, [1.0, 1.0, 1.0])]
+
+
 def test_the_future_holds_the_reduced_tensor(worlds):
     assert all(worlds(2).run(future_calls))
 
