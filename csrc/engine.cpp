@@ -75,6 +75,9 @@ RingEngine::~RingEngine() {
     const bool restore = cudaGetDevice(&current) == cudaSuccess;
     cudaSetDevice(nccl_->device());
     nccl_.reset();
+    // the device workspaces go back to torch's allocator while the stream they were made on exists
+    recv_image_ = at::Tensor();
+    send_image_ = at::Tensor();
     cudaStreamDestroy(compute_stream_);
     cudaStreamDestroy(wire_stream_);
     if (restore) cudaSetDevice(current);  // the destroying thread's device, as it was
