@@ -14,7 +14,6 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <thread>
 
 #include "ring/ring_allreduce.h"
 #include "ring/ring_plan.h"

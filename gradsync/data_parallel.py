@@ -38,9 +38,9 @@ class DataParallel(torch.nn.Module):
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward produces them; the first bucket is 1 MiB so that communication starts early). Each
-      bucket is packed by one fused flatten kernel and
-      all-reduced by gradsync's ring on the wire ``codec``, with fp32 sums at every hop, as soon as
-      its last gradient has been accumulated; buckets are issued in the same order on every rank.
+      bucket is packed by one fused flatten kernel and all-reduced by gradsync's ring on the wire
+      ``codec``, with fp32 sums at every hop, as soon as its last gradient has been accumulated;
+      buckets are issued in the same order on every rank.
       The first synchronized step verifies that every rank has the same buckets and codec; later
       steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
