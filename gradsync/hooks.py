@@ -69,19 +69,21 @@ class GradSyncState:
         return (tuple(id(p) for p in bucket.parameters()), buffer.numel(), buffer.dtype, codec, self.prescale,
                 self.postscale)
 
-    def _checked_once(self, bucket, codec):
-        """A callback that records the bucket as agreed on, once its checked all-reduce has succeeded."""
+    def _value_once_agreed(self, bucket, codec):
+        """The future callback of a checked all-reduce: its value, the bucket recorded as agreed on
+        first (a failed all-reduce raises here instead, and the next call checks again)."""
         params = bucket.parameters()
-        if not params:
-            return lambda: None
         key, anchor, param = self._check_key(bucket, codec), id(params[0]), weakref.ref(params[0])
 
-        def record():
+        def value(fut):
+            result = fut.value()
             if anchor not in self._checked and param() is not None:
                 self._checked[anchor] = set()
                 weakref.finalize(param(), self._checked.pop, anchor, None)
-            self._checked.get(anchor, set()).add(key)
-        return record
+            if anchor in self._checked:
+                self._checked[anchor].add(key)
+            return result
+        return value
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The fp32 residual of ``bucket`` (zeros for parameters never seen before)."""
@@ -143,15 +145,8 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     work = all_reduce(buffer, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
                       async_op=True, residual=residual, check_call=check)
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
-    if not check:
-        return work.get_future().then(_value)
-    record = options._checked_once(bucket, codec)
-
-    def value_once_agreed(fut):
-        value = fut.value()  # raises if the all-reduce failed: then the next call checks again
-        record()
-        return value
-    return work.get_future().then(value_once_agreed)
+    agreed = check and bool(bucket.parameters())
+    return work.get_future().then(options._value_once_agreed(bucket, codec) if agreed else _value)
 
 
 def _value(fut):

@@ -480,7 +480,9 @@ def test_a_bucket_counts_as_agreed_on_only_once_its_checked_call_succeeded():
     a, b = torch.zeros(3), torch.zeros(5)
     state, bucket = hooks.GradSyncState(), FakeBucket([a, b])
     assert state.needs_check(bucket, "fp16") and state.needs_check(bucket, "fp16")  # asking records nothing
-    state._checked_once(bucket, "fp16")()
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    state._value_once_agreed(bucket, "fp16")(done)
     assert not state.needs_check(bucket, "fp16")
     assert state.needs_check(bucket, "bf16") and state.needs_check(FakeBucket([b, a]), "fp16")
     del a, bucket
