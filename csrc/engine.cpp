@@ -176,7 +176,7 @@ void RingEngine::run() {
       queue_.pop_front();
     }
     std::exception_ptr error;
-    const int64_t posted_before = transport_.posted();
+    settled_posted_ = transport_.posted();
     bool nccl_aborted_before = false;
 #ifdef GRADSYNC_WITH_CUDA
     nccl_aborted_before = nccl_ && nccl_->aborted();
@@ -188,10 +188,10 @@ void RingEngine::run() {
       error = std::current_exception();
     } catch (const std::exception& e) {
       error = std::current_exception();
-      after_failure(job, e.what(), posted_before, nccl_aborted_before);
+      after_failure(job, e.what(), nccl_aborted_before);
     } catch (...) {
       error = std::current_exception();
-      after_failure(job, "an unknown exception", posted_before, nccl_aborted_before);
+      after_failure(job, "an unknown exception", nccl_aborted_before);
     }
     {
       std::optional<c10::StreamGuard> guard;
@@ -206,12 +206,12 @@ void RingEngine::run() {
   }
 }
 
-void RingEngine::after_failure(const Job& job, const char* what, int64_t posted_before, bool nccl_aborted_before) {
+void RingEngine::after_failure(const Job& job, const char* what, bool nccl_aborted_before) {
   // A call that failed before posting anything (a group without a CPU backend refusing a host
   // buffer, an allocation) leaves the ring as it was. Messages of the process group that may still
   // be in flight would be received by a later call: that fails every later call on the group. An
   // aborted NCCL communicator fails its own later calls.
-  const bool in_flight = transport_.posted() != posted_before;
+  const bool in_flight = transport_.posted() != settled_posted_;
   bool device_in_flight = false;
 #ifdef GRADSYNC_WITH_CUDA
   device_in_flight = nccl_ && nccl_->aborted() && !nccl_aborted_before;
@@ -266,41 +266,67 @@ void RingEngine::execute(Job& job) {
   const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
   const bool direct = !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
                       payload_bytes <= o.direct_bytes;
-  if (o.check_call) {  // at the top of the call's tags, which every rank finds there whatever its numel
-    const RingCall call = ring_call(t, o, slice_elems, direct);
-    check_ring_call(transport_, call, tag_base + kTagsPerCall - n);
-  }
   std::unique_ptr<CodecRingKernels> kernels;
-  const bool pinned = t.is_cuda();
+  uint8_t *recv_image = nullptr, *send_image = nullptr;
+  std::exception_ptr unprepared;
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStreamGuard> guard;
-  if (t.is_cuda()) {
-    // current on this thread, so that the engine's device buffers come from this stream's pool and
-    // never from the default stream's, whose blocks the caller's later kernels may still be using
-    guard = std::make_unique<c10::cuda::CUDAStreamGuard>(c10::cuda::getStreamFromPool(false, t.device().index()));
-    job.stream = guard->current_stream();
-    const cudaStream_t stream = guard->current_stream().stream();
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
-    kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
-                                                static_cast<float>(o.postscale), stream);
-  }
 #endif
-  if (!kernels) {
-    kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
-                                               static_cast<float>(o.postscale));
+  try {
+    const bool pinned = t.is_cuda();
+#ifdef GRADSYNC_WITH_CUDA
+    if (t.is_cuda()) {
+      // current on this thread (for the rest of the call), so that the engine's device buffers come
+      // from this stream's pool and never from the default stream's, whose blocks the caller's
+      // later kernels may still be using
+      guard = std::make_unique<c10::cuda::CUDAStreamGuard>(c10::cuda::getStreamFromPool(false, t.device().index()));
+      job.stream = guard->current_stream();
+      const cudaStream_t stream = guard->current_stream().stream();
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
+      kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype,
+                                                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), stream);
+    }
+#endif
+    if (!kernels) {
+      kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype,
+                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale));
+    }
+    set_error_feedback(*kernels, job);
+    if (direct) {
+      recv_image = workspace(recv_image_, direct_image_bytes(*kernels, t.numel(), n), at::kCPU, false);
+      send_image = workspace(send_image_, payload_bytes, at::kCPU, false);
+    } else {
+      std::vector<int64_t> offsets;
+      const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
+      recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
+      send_image = workspace(send_image_, image_bytes, at::kCPU, pinned);
+    }
+  } catch (...) {
+    unprepared = std::current_exception();
   }
-  set_error_feedback(*kernels, job);
+  if (o.check_call) {  // at the top of the call's tags, which every rank finds there whatever its numel
+    checked(ring_call(t, o, slice_elems, direct), unprepared,
+            [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
+  }
+  if (unprepared) std::rethrow_exception(unprepared);
   if (direct) {
-    uint8_t* recv_image = workspace(recv_image_, direct_image_bytes(*kernels, t.numel(), n), at::kCPU, false);
-    uint8_t* send_image = workspace(send_image_, payload_bytes, at::kCPU, false);
     return direct_allreduce(transport_, static_cast<CpuRingKernels&>(*kernels), t.numel(), recv_image, send_image,
                             tag_base);
   }
-  std::vector<int64_t> offsets;
-  const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
-  uint8_t* recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
-  uint8_t* send_image = workspace(send_image_, image_bytes, at::kCPU, pinned);
   ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
+}
+
+void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,
+                         const std::function<void(const RingCall&)>& check) {
+  call.unprepared = unprepared ? 1 : 0;
+  try {
+    check(call);
+  } catch (const std::invalid_argument&) {  // every message of the check has completed
+    settled_posted_ = transport_.posted();
+    if (unprepared) std::rethrow_exception(unprepared);
+    throw;
+  }
+  settled_posted_ = transport_.posted();
 }
 
 #ifdef GRADSYNC_WITH_CUDA
@@ -333,33 +359,44 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       throw;
     }
   };
-  if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
-    const RingCall call = ring_call(t, o, slice_elems, false);
-    const int64_t record = sizeof(RingCall);
-    at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
-    auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
-    std::vector<RingCall> host(n);
-    aborting_on_failure([&] {
-      NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
-      C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
-      exchange_ring_calls(transport, records, 0);
-      nccl_->synchronize(compute_stream_);
-      // on the compute stream, not the legacy default one, which would wait for the caller's work
-      C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
-      C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
-    });
-    compare_ring_calls(host.data(), n);  // every rank raises alike; the communicator stays usable
+  // as in execute: what can fail on this rank alone comes before the check, which tells the others
+  std::unique_ptr<CudaRingKernels> kernels;
+  uint8_t *recv_image = nullptr, *send_image = nullptr;
+  std::exception_ptr unprepared;
+  try {
+    kernels = std::make_unique<CudaRingKernels>(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype,
+                                                static_cast<float>(o.prescale), static_cast<float>(o.postscale),
+                                                compute_stream_, /*synchronize=*/false);
+    set_error_feedback(*kernels, job);
+    std::vector<int64_t> offsets;
+    const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
+    recv_image = workspace(recv_image_, image_bytes, t.device(), false);
+    send_image = workspace(send_image_, image_bytes, t.device(), false);
+  } catch (...) {
+    unprepared = std::current_exception();
   }
-  CudaRingKernels kernels(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype, static_cast<float>(o.prescale),
-                          static_cast<float>(o.postscale), compute_stream_, /*synchronize=*/false);
-  set_error_feedback(kernels, job);
-  std::vector<int64_t> offsets;
-  const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels.payload_bytes(len); }, offsets);
-  uint8_t* recv_image = workspace(recv_image_, image_bytes, t.device(), false);
-  uint8_t* send_image = workspace(send_image_, image_bytes, t.device(), false);
+  if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
+    checked(ring_call(t, o, slice_elems, false), unprepared, [&](const RingCall& call) {
+      const int64_t record = sizeof(RingCall);
+      at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
+      auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
+      std::vector<RingCall> host(n);
+      aborting_on_failure([&] {
+        NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+        C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
+        exchange_ring_calls(transport, records, 0);
+        nccl_->synchronize(compute_stream_);
+        // on the compute stream, not the legacy default one, which would wait for the caller's work
+        C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
+        C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
+      });
+      compare_ring_calls(host.data(), n);  // every rank raises alike; the communicator stays usable
+    });
+  }
+  if (unprepared) std::rethrow_exception(unprepared);
   aborting_on_failure([&] {
     NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
-    ring_allreduce(transport, kernels, plan, recv_image, send_image, 0);
+    ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
     nccl_->synchronize(compute_stream_);
   });
 }

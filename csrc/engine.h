@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -85,10 +86,12 @@ class RingEngine {
     std::optional<c10::Stream> stream;
   };
   void run();
-  // After a call failed for another reason than the ranks' disagreement: `posted_before` is the
-  // transport's count of posted messages when the call began.
-  void after_failure(const Job& job, const char* what, int64_t posted_before, bool nccl_aborted_before);
+  // After a call failed for another reason than the ranks' disagreement.
+  void after_failure(const Job& job, const char* what, bool nccl_aborted_before);
   void execute(Job& job);
+  // The agreement check, `call` carrying whether this rank prepared the call (`unprepared`: why
+  // not). A rank that did not raises its own error, the others std::invalid_argument naming it.
+  void checked(RingCall call, const std::exception_ptr& unprepared, const std::function<void(const RingCall&)>& check);
   void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
   static void set_error_feedback(CodecRingKernels& kernels, const Job& job);
   uint8_t* workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned);
@@ -99,6 +102,7 @@ class RingEngine {
   std::deque<Job> queue_;
   bool stopping_ = false;
   std::string broken_;  // set once a transport failure left messages in flight
+  int64_t settled_posted_ = 0;  // the transport's count of posted messages when none was last in flight
   uint32_t sequence_ = 0;
   at::Tensor recv_image_, send_image_;
 #ifdef GRADSYNC_WITH_CUDA

@@ -191,7 +191,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     ``postscale``: see :func:`resolve_scales`. With ``async_op=True`` returns an
     :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must
     be the same on every rank. ``check_call`` first verifies (one small exchange) that every rank
-    passes the same numel, dtype, codec and scaling, and raises on every rank if not.
+    passes the same numel, dtype, codec and scaling, and raises on every rank if not; a rank that
+    cannot allocate the call's workspaces raises its error and the others a ValueError naming it.
 
     ``residual`` (error feedback): a contiguous float32 tensor with ``tensor``'s numel and device,
     zeros at first. It is added to this rank's contribution before that is encoded, and overwritten

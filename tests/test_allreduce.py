@@ -327,6 +327,46 @@ def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
         assert all("the ranks disagree" in m for m in messages)
 
 
+def out_of_memory_on_one_rank(rank, size, victim, check_call):
+    """The victim's address space is capped just above what it holds, so that allocating the call's
+    workspaces fails there alone."""
+    import resource
+    gradsync.all_reduce(torch.ones(1 << 16), codec="fp16")  # the engine and its threads exist, workspaces small
+    x = torch.randn(32 << 20)  # 64 MB per workspace on an fp16 wire
+    before = x.clone()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if rank == victim:
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (16 << 20), hard))
+    start = time.monotonic()
+    try:
+        gradsync.all_reduce(x, codec="fp16", check_call=check_call)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is part of what is checked
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    seconds = time.monotonic() - start
+    untouched = torch.equal(x, before)
+    y = torch.ones(10)  # the group still works afterwards
+    gradsync.all_reduce(y, op="sum")
+    return seconds, outcome, untouched, torch.equal(y, torch.full((10,), float(size)))
+
+
+def test_a_rank_out_of_memory_makes_every_rank_raise_at_once(worlds):
+    # the workspaces are allocated before the agreement check, whose record carries the outcome:
+    # the others raise at once instead of waiting out the group's timeout (60 s) in a ring the
+    # victim never joins
+    results = worlds(3).run(out_of_memory_on_one_rank, 1, True)
+    for rank, (seconds, outcome, untouched, usable) in enumerate(results):
+        assert seconds < 10 and untouched and usable, (rank, seconds, outcome)
+        if rank == 1:
+            assert outcome.startswith("RuntimeError") and "memory" in outcome, outcome
+        else:
+            assert outcome.startswith("ValueError") and "rank(s) 1 could not prepare the call" in outcome, outcome
+
+
 def rss_bytes():
     with open("/proc/self/status") as f:
         for line in f:

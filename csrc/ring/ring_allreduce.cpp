@@ -116,6 +116,15 @@ void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
 }
 
 void compare_ring_calls(const RingCall* table, int n) {
+  std::ostringstream unprepared;
+  for (int i = 0; i < n; ++i) {
+    if (table[i].unprepared) unprepared << (unprepared.tellp() ? ", " : "") << i;
+  }
+  if (unprepared.tellp()) {
+    throw std::invalid_argument("gradsync.all_reduce: rank(s) " + unprepared.str() + " could not prepare the call "
+                                "(allocating its workspaces, for one) and raise the reason there; no rank has "
+                                "written anything");
+  }
   std::ostringstream diff;
   const auto describe = [&](const RingCall& c) {
     diff << "numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec << ", prescale " << c.prescale

@@ -106,7 +106,7 @@ struct RingCall {
   float postscale;
   int64_t slice_elems;
   int32_t direct;  // 1: direct_allreduce, 0: the ring
-  int32_t unused;
+  int32_t unprepared;  // 1: this rank could not prepare the call (its workspaces, say) and raises why
 };
 
 // Tags of one call occupy [tag_base, tag_base + ring_tag_span(plan)).
@@ -116,7 +116,8 @@ uint32_t ring_tag_span(const RingPlan& plan);
 // latency); larger ones around the ring (n - 1 hops, but no peers beyond the ring's two).
 constexpr int kDirectExchangeRanks = 8;
 
-// Exchanges `call` among the ranks; throws on every rank, naming the ranks that differ, if any do.
+// Exchanges `call` among the ranks; throws std::invalid_argument on every rank, naming the ranks
+// that differ or could not prepare the call, if any.
 void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
 // The two halves, for transports whose memory the host cannot read directly: an all-gather of every
 // rank's record into `table` (n records, this rank's at its index, in transport memory), and the
