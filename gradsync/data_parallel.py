@@ -16,14 +16,21 @@ from .ops import FLOAT_DTYPES, _check_codec, flatten, unflatten
 __all__ = ["DataParallel"]
 
 _FIRST_BUCKET_BYTES = 1 << 20  # small, so that communication starts early in backward (as DDP does)
+_FLAG_ALIGN = 128  # gradsync's fp8 block: the used flags sit in blocks of their own, apart from gradients
 
 
 class _Bucket:
+    """The gradients of ``params`` end to end, then, from the next block on, one flag per parameter:
+    1 where this rank produced its gradient since the last synchronized step, else 0. Averaged with
+    the gradients, a flag is 0 exactly where no rank produced one (zeros stay zeros on every wire,
+    and a block of flags keeps them apart from any gradient's scale)."""
+
     def __init__(self, params, device, error_feedback):
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
-        self.residual = torch.zeros(numel, dtype=torch.float32, device=device) if error_feedback else None
+        self.numel = sum(p.numel() for p in params)
+        self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
+        self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
+        self.residual = torch.zeros_like(self.buffer) if error_feedback else None
         self.ready = 0
         self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
         self.work = None
@@ -45,10 +52,13 @@ class DataParallel(torch.nn.Module):
       steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
-    - A parameter that gets no gradient on this rank in a step contributes zeros; after the step
-      it holds the average over the ranks (zeros, not None, if no rank produced a gradient). A
-      parameter frozen after wrapping (``requires_grad=False``) without a gradient contributes
-      zeros, is given none and does not hold back its bucket. Wrap the model once it is final and
+    - A parameter that gets no gradient on this rank in a step contributes zeros (or the
+      gradient it holds from before); after the step it holds the average over the ranks if any
+      rank produced a gradient for it, and is left untouched (None stays None) if none did, as
+      with DDP's ``find_unused_parameters=True``, which gradsync needs no flag for: each bucket
+      carries a used flag per parameter, so this costs no extra communication. A parameter frozen
+      after wrapping (``requires_grad=False``) contributes zeros, is given no gradient and does
+      not hold back its bucket. Wrap the model once it is final and
       on its device: a forward after its parameters were moved to another device, replaced
       (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
@@ -114,6 +124,7 @@ class DataParallel(torch.nn.Module):
             self._add_bucket(current, error_feedback)
         self._next = 0  # the next bucket to issue, in order
         self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
+        self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -177,6 +188,7 @@ class DataParallel(torch.nn.Module):
 
     def _on_grad(self, param):
         if not self._forward_synced:
+            self._used.add(id(param))
             return
         if not self._in_backward:
             self._in_backward = True
@@ -216,6 +228,7 @@ class DataParallel(torch.nn.Module):
             bucket.ready, bucket.work = 0, None
         self._next = 0
         self._arrived.clear()
+        self._used.clear()
         self._in_backward = False
 
     def _issue(self, force):
@@ -223,22 +236,36 @@ class DataParallel(torch.nn.Module):
             bucket = self._buckets[self._next]
             if not force and bucket.ready < bucket.expected:
                 return
-            grads = []
-            for p in bucket.params:
-                if p.grad is None and p.requires_grad:  # no gradient on this rank in this step: contribute zeros
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-            flatten(grads, dtype=torch.float32, out=bucket.buffer)
+            flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params],
+                    dtype=torch.float32, out=bucket.buffer[:bucket.numel])
+            flags = bucket.buffer[bucket.flags_at:]
+            flags.fill_(1.0)  # kernels, not a copy from the host, which would wait for the backward's kernels
+            for j in self._unused(bucket):
+                flags[j].fill_(0.0)
+            if bucket.residual is not None:  # the flags' own rounding must not turn a 0 into a 1 next step
+                bucket.residual[bucket.flags_at:].zero_()
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
                                      residual=bucket.residual, check_call=not self._checked)
             self._next += 1
+
+    def _unused(self, bucket):
+        """Indices of the bucket's parameters this rank has produced no gradient for since the last synced step."""
+        return [j for j, p in enumerate(bucket.params) if id(p) not in self._arrived and id(p) not in self._used]
 
     def _finish_backward(self):
         try:
             self._issue(force=True)
             for bucket in self._buckets:
                 bucket.work.wait()
-                unflatten(bucket.buffer, [p.grad if p.grad is not None else torch.empty_like(p) for p in bucket.params])
+                unused = self._unused(bucket)
+                # a parameter every rank used has its average; only where this rank has not is the flag read
+                flags = bucket.buffer[bucket.flags_at:].tolist() if unused else None
+                for j in unused:
+                    p = bucket.params[j]
+                    if p.grad is None and p.requires_grad and flags[j] > 0:
+                        p.grad = torch.empty_like(p)
+                unflatten(bucket.buffer, [p.grad if p.grad is not None and (j not in unused or flags[j] > 0)
+                                          else torch.empty_like(p) for j, p in enumerate(bucket.params)])
             self._checked = True
         except BaseException:
             self._abandon_step()

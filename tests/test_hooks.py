@@ -165,13 +165,64 @@ def unused_parameter(rank, size):
     model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB)
     x, y = batch(rank, 0)
     F.mse_loss(model(x), y).backward()
-    spare = model.module.spare.weight.grad
-    return spare is not None and not spare.any().item(), digest(params_of(model))
+    return model.module.spare.weight.grad is None and model.module.body[0].weight.grad is not None
 
 
-def test_data_parallel_gives_unused_parameters_zero_gradients(worlds):
-    results = worlds(2).run(unused_parameter)
-    assert all(ok for ok, _ in results)
+def test_data_parallel_leaves_parameters_no_rank_used_without_gradient(worlds):
+    assert all(worlds(2).run(unused_parameter))
+
+
+class Branches(torch.nn.Module):
+    """``extra`` joins the output only when asked, ``never`` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(16, 8), torch.nn.Linear(8, 1)
+        self.extra, self.never = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + self.extra(h) if use_extra else self.head(h)
+
+
+def unused_like_ddp(rank, size, mode):
+    """The gradients of `extra` and `never` after three steps: `extra` used by rank 0 only, by no
+    rank, and by rank 1 only, inside no_sync() before a step that uses it nowhere."""
+    torch.manual_seed(0)
+    net = Branches()
+    if mode == "ddp":
+        model = DDP(net, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    else:
+        codec, _, ef = mode.partition("+")
+        model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef))
+    grads = lambda p: None if p.grad is None else p.grad.clone()  # noqa: E731
+    out = []
+    for step, users in enumerate(([0], [], [1])):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        if step == 2:
+            with model.no_sync():
+                F.mse_loss(model(x, rank in users), y).backward()
+            users = []
+        F.mse_loss(model(x, rank in users), y).backward()
+        out.append([grads(p) for p in (net.extra.weight, net.extra.bias, net.never.weight, net.head.weight)])
+    return out
+
+
+@pytest.mark.parametrize("mode,tolerance", [("none", 1e-6), ("fp8_e4m3+ef", 0.1)])
+def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds, mode, tolerance):
+    # DDP(find_unused_parameters=True): a parameter some rank used holds the average, one no rank
+    # used (since the last synchronized step, no_sync() included) keeps its gradient: None here
+    ddp = worlds(3).run(unused_like_ddp, "ddp")
+    ours = worlds(3).run(unused_like_ddp, mode)
+    for rank in range(3):
+        for step in range(3):
+            for i, (theirs, mine) in enumerate(zip(ddp[rank][step], ours[rank][step])):
+                where = f"rank {rank}, step {step + 1}, gradient {i}"
+                assert (theirs is None) == (mine is None), where
+                if theirs is not None:
+                    assert relative(mine, theirs) < tolerance, where
+    assert ddp[0][1][0] is None and ddp[0][2][0] is not None and ddp[0][0][2] is None  # what was compared
 
 
 class Fails(torch.autograd.Function):
