@@ -78,6 +78,7 @@ RingEngine::~RingEngine() {
     // the device workspaces go back to torch's allocator while the stream they were made on exists
     recv_image_ = at::Tensor();
     send_image_ = at::Tensor();
+    check_table_ = at::Tensor();
     cudaStreamDestroy(compute_stream_);
     cudaStreamDestroy(wire_stream_);
     if (restore) cudaSetDevice(current);  // the destroying thread's device, as it was
@@ -92,7 +93,11 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
   auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));
   C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
   C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
+  // made once: allocating it per call could fail on this rank alone, after its peers entered the check
+  at::Tensor table = at::empty({size() * static_cast<int64_t>(sizeof(RingCall))},
+                               at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
   std::lock_guard<std::mutex> lock(mutex_);  // published to the worker through the queue's mutex
+  check_table_ = std::move(table);
   nccl_ = std::move(comm);
 #else
   (void)unique_id, (void)device, (void)timeout_s;
@@ -326,7 +331,6 @@ void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,
     if (unprepared) std::rethrow_exception(unprepared);
     throw;
   }
-  settled_posted_ = transport_.posted();
 }
 
 #ifdef GRADSYNC_WITH_CUDA
@@ -342,7 +346,6 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   job.stream = guard.current_stream();
   const DType dtype = dtype_of(t);
   const int n = size();
-  C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
   // Once a transfer is enqueued, a failure of any kind leaves messages in flight that a later call
   // would receive: abort the communicator, and let the kernels queued behind it finish first.
   const auto aborting_on_failure = [&](auto&& body) {
@@ -352,6 +355,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       if (nccl_->abort(compute_stream_)) throw;
       new at::Tensor(t);  // leaked on purpose: kernels still queued may write them
       if (o.residual.defined()) new at::Tensor(o.residual);
+      new at::Tensor(check_table_);
       throw std::runtime_error(std::string(e.what()) + "; the call's kernels were still queued 10 s after the abort, so "
                                "the tensor (and residual) may still change: gradsync keeps them allocated");
     } catch (...) {
@@ -364,6 +368,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   uint8_t *recv_image = nullptr, *send_image = nullptr;
   std::exception_ptr unprepared;
   try {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
     kernels = std::make_unique<CudaRingKernels>(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype,
                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale),
                                                 compute_stream_, /*synchronize=*/false);
@@ -378,8 +383,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
     checked(ring_call(t, o, slice_elems, false), unprepared, [&](const RingCall& call) {
       const int64_t record = sizeof(RingCall);
-      at::Tensor table = at::empty({n * record}, at::TensorOptions().dtype(at::kByte).device(t.device()));
-      auto* records = reinterpret_cast<RingCall*>(table.data_ptr<uint8_t>());
+      auto* records = reinterpret_cast<RingCall*>(check_table_.data_ptr<uint8_t>());
       std::vector<RingCall> host(n);
       aborting_on_failure([&] {
         NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
@@ -447,6 +451,7 @@ void bind_ring(pybind11::module& m) {
       // variable are as that thread left them, so stopping or destroying the engine could wait
       // forever. It is kept, untouched, for the rest of the process.
       .def("abandon_after_fork", [](std::shared_ptr<RingEngine> e) { new std::shared_ptr<RingEngine>(std::move(e)); })
+      .def_property_readonly("broken", &RingEngine::broken)
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
       .def_property_readonly("nccl_device", &RingEngine::nccl_device)

@@ -65,6 +65,8 @@ class RingEngine {
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
+  // Why the group's ring is unusable ("" if it is not); read it once the engine has stopped.
+  const std::string& broken() const { return broken_; }
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
   // CUDA tensors of this group travel over gradsync's own NCCL communicator from now on (all ranks
@@ -107,6 +109,7 @@ class RingEngine {
   at::Tensor recv_image_, send_image_;
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<NcclComm> nccl_;
+  at::Tensor check_table_;  // the agreement check's records, in device memory
   cudaStream_t compute_stream_ = nullptr, wire_stream_ = nullptr;
 #endif
   std::thread worker_;

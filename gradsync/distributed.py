@@ -39,6 +39,7 @@ of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a fe
 
 _engines = {}
 _engines_lock = threading.Lock()
+_broken = {}  # group -> why its ring is unusable, for groups whose engine shutdown() released
 
 
 class AllReduceWork:
@@ -141,6 +142,8 @@ def _resolve_group(group):
 def _engine(group, tensor):
     with _engines_lock:  # one engine per group, even when two threads make its first call at once
         engine = _engines.get(group)
+        if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
+            raise RuntimeError(_broken[group])
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group)
     if tensor.is_cuda and _uses_nccl(group):
@@ -243,11 +246,14 @@ def shutdown():
 
     Call it before ``torch.distributed.destroy_process_group()``; it also runs at exit. A group that
     torch.distributed has already destroyed is left to the process's exit rather than torn down here,
-    since tearing down a gloo group whose peers are gone can block.
+    since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
+    left unusable stays so: later calls on it raise, as they did before.
     """
     while _engines:
         group, engine = _engines.popitem()
         engine.stop()
+        if engine.broken:
+            _broken[group] = engine.broken
         if not _group_is_live(group):
             engine.abandon_group()
 

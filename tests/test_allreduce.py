@@ -458,8 +458,13 @@ def call_once_and_time_the_failure(rank, size):
     try:
         gradsync.all_reduce(x, codec="fp8_e4m3")
     except Exception as e:  # noqa: BLE001 - whatever the wire says, it must say it in time
-        return time.monotonic() - start, f"{type(e).__name__}: {e}", torch.equal(x, before)
-    return time.monotonic() - start, "no error", torch.equal(x, before)
+        seconds, message = time.monotonic() - start, f"{type(e).__name__}: {e}"
+    else:
+        return time.monotonic() - start, "no error", torch.equal(x, before), None
+    gradsync.shutdown()  # releases the engine, not what the failure did to the group
+    with pytest.raises(RuntimeError, match="group's ring is unusable") as later:
+        gradsync.all_reduce(torch.ones(8))
+    return seconds, message, torch.equal(x, before), str(later.value)
 
 
 def test_a_silent_peer_makes_the_others_raise_within_the_timeout():
@@ -472,9 +477,11 @@ def test_a_silent_peer_makes_the_others_raise_within_the_timeout():
             conn.send((call_once_and_time_the_failure.__module__, call_once_and_time_the_failure.__name__, ()))
         for rank in (0, 1):
             assert world.conns[rank].poll(timeout_s + 30), f"rank {rank} hangs"
-            status, (seconds, message, untouched) = world.conns[rank].recv()
+            status, value = world.conns[rank].recv()
+            assert status == "ok", value
+            seconds, message, untouched, later = value
             assert message != "no error" and timeout_s - 1 <= seconds <= timeout_s + 10, (seconds, message)
-            assert untouched, message
+            assert untouched and later, message
     finally:
         world.close()
 
