@@ -27,13 +27,33 @@ class _Bucket:
 
     def __init__(self, params, device, error_feedback):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
         self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
         self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
         self.ready = 0
         self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
         self.work = None
+        self.unused = []  # indices of the parameters this rank had not used when the bucket went out
+        self.mask = None  # (unused, the flags for it on the device): the last mask, reused while it holds
+        self.saved_residuals = {}  # index -> the residual of a parameter this rank did not use, before the call
+
+    def segment(self, j, of):
+        return of[self.offsets[j]:self.offsets[j + 1]]
+
+    def set_flags(self, unused):
+        flags = self.buffer[self.flags_at:]
+        if not unused:
+            flags.fill_(1.0)  # a kernel: a copy from the host would wait for the backward's kernels
+            return
+        if self.mask is None or self.mask[0] != unused:  # copied from the host only when the set changes
+            mask = torch.ones(len(self.params), dtype=torch.float32)
+            mask[unused] = 0.0
+            self.mask = (unused, mask.to(flags.device))
+        flags.copy_(self.mask[1])
 
 
 class DataParallel(torch.nn.Module):
@@ -54,18 +74,22 @@ class DataParallel(torch.nn.Module):
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros (or the
       gradient it holds from before); after the step it holds the average over the ranks if any
-      rank produced a gradient for it, and is left untouched (None stays None) if none did, as
-      with DDP's ``find_unused_parameters=True``, which gradsync needs no flag for: each bucket
-      carries a used flag per parameter, so this costs no extra communication. A parameter frozen
-      after wrapping (``requires_grad=False``) contributes zeros, is given no gradient and does
-      not hold back its bucket. Wrap the model once it is final and
+      rank produced a gradient for it since the last synchronized step (``no_sync()`` included),
+      and is left untouched (None stays None, and its error-feedback residual is kept) if none
+      did, as with DDP's ``find_unused_parameters=True``, which gradsync needs no flag for: each
+      bucket carries a used flag per parameter, so this costs no extra communication. But a
+      bucket holding a parameter this rank does not use goes out at the end of backward (and the
+      buckets after it with it), where DDP, told to find unused parameters, marks them ready
+      before backward starts. A parameter frozen after wrapping (``requires_grad=False``)
+      contributes zeros, is never written and does not hold back its bucket. Wrap the model once it is final and
       on its device: a forward after its parameters were moved to another device, replaced
       (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant
       activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
-      (right, but repeated work; lossy codecs round again): prefer ``use_reentrant=False``. A
+      (right, but repeated work; a parameter averaged in an inner pass is left as it is by the
+      outer ones, since no rank used it there): prefer ``use_reentrant=False``. A
       parameter whose gradient is accumulated again after its bucket went out in the same step (one
       used in several reentrant checkpoints, or inside one and outside) raises, as DDP does: that
       part of its gradient would not be averaged.
@@ -216,19 +240,21 @@ class DataParallel(torch.nn.Module):
         return next((n for n, q in self.module.named_parameters() if q is param), "?")
 
     def _abandon_step(self):
-        """A step that did not reach its end: its calls finish before its buffers are reused."""
+        """A step that did not reach its end: its calls finish before its buffers are reused. What it
+        accumulated stays in the gradients, so it counts as used at the next synchronized step."""
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):
                     bucket.work.wait()
+        self._used |= self._arrived
         self._reset()
 
     def _reset(self):
         for bucket in self._buckets:
-            bucket.ready, bucket.work = 0, None
+            bucket.ready, bucket.work, bucket.unused = 0, None, []
+            bucket.saved_residuals.clear()
         self._next = 0
         self._arrived.clear()
-        self._used.clear()
         self._in_backward = False
 
     def _issue(self, force):
@@ -238,36 +264,63 @@ class DataParallel(torch.nn.Module):
                 return
             flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params],
                     dtype=torch.float32, out=bucket.buffer[:bucket.numel])
-            flags = bucket.buffer[bucket.flags_at:]
-            flags.fill_(1.0)  # kernels, not a copy from the host, which would wait for the backward's kernels
-            for j in self._unused(bucket):
-                flags[j].fill_(0.0)
-            if bucket.residual is not None:  # the flags' own rounding must not turn a 0 into a 1 next step
-                bucket.residual[bucket.flags_at:].zero_()
+            bucket.unused = [j for j, p in enumerate(bucket.params)
+                             if id(p) not in self._arrived and id(p) not in self._used]  # in order
+            bucket.set_flags(bucket.unused)
+            if bucket.residual is not None:
+                bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
+                # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
+                bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused}
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
                                      residual=bucket.residual, check_call=not self._checked)
             self._next += 1
-
-    def _unused(self, bucket):
-        """Indices of the bucket's parameters this rank has produced no gradient for since the last synced step."""
-        return [j for j, p in enumerate(bucket.params) if id(p) not in self._arrived and id(p) not in self._used]
 
     def _finish_backward(self):
         try:
             self._issue(force=True)
             for bucket in self._buckets:
                 bucket.work.wait()
-                unused = self._unused(bucket)
-                # a parameter every rank used has its average; only where this rank has not is the flag read
-                flags = bucket.buffer[bucket.flags_at:].tolist() if unused else None
-                for j in unused:
-                    p = bucket.params[j]
-                    if p.grad is None and p.requires_grad and flags[j] > 0:
-                        p.grad = torch.empty_like(p)
-                unflatten(bucket.buffer, [p.grad if p.grad is not None and (j not in unused or flags[j] > 0)
-                                          else torch.empty_like(p) for j, p in enumerate(bucket.params)])
+            # the flags are read (one copy to the host) only where a parameter may have no gradient to
+            # write: this rank did not use it, or its gradient was set to None since it did
+            unsure = {}
+            for b in self._buckets:
+                unused = set(b.unused)
+                indices = [j for j, p in enumerate(b.params) if p.requires_grad and (j in unused or p.grad is None)]
+                if indices:
+                    unsure[b] = indices
+            flags = torch.cat([b.buffer[b.flags_at:] for b in unsure]).tolist() if unsure else []
+            at = 0
+            for bucket in self._buckets:
+                unused_everywhere = set()
+                if bucket in unsure:
+                    unused_everywhere = {j for j in unsure[bucket] if flags[at + j] == 0}
+                    at += len(bucket.params)
+                self._write_back(bucket, unused_everywhere)
             self._checked = True
         except BaseException:
             self._abandon_step()
             raise
+        self._used.clear()
         self._reset()
+
+    def _write_back(self, bucket, unused_everywhere):
+        """The averages into the gradients, but for parameters frozen since wrapping and those no rank
+        used, which keep the gradient they have (None stays None) and their residual."""
+        run = []  # consecutive parameters written by one unflatten
+
+        def flush(end):
+            if run:
+                unflatten(bucket.buffer[bucket.offsets[run[0]]:bucket.offsets[end]],
+                          [bucket.params[j].grad for j in run])
+                run.clear()
+
+        for j, p in enumerate(bucket.params):
+            if not p.requires_grad or j in unused_everywhere:
+                flush(j)
+                if j in bucket.saved_residuals:
+                    bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            run.append(j)
+        flush(len(bucket.params))
