@@ -25,6 +25,9 @@ class Backoff {
  private:
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
+// A query's cudaErrorNotReady is also left as the thread's last error, which the next kernel launch
+// would then report as its own failure (launches are checked with cudaGetLastError): clear it.
+void not_ready_seen() { static_cast<void>(cudaGetLastError()); }
 }  // namespace
 
 std::string NcclComm::unique_id() {
@@ -79,7 +82,9 @@ bool NcclComm::abort(cudaStream_t drain) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   Backoff backoff;
   cudaError_t state;
-  while ((state = cudaStreamQuery(drain)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+  while ((state = cudaStreamQuery(drain)) == cudaErrorNotReady) {
+    not_ready_seen();
+    if (std::chrono::steady_clock::now() >= deadline) break;
     backoff.pause();
   }
   return state != cudaErrorNotReady;  // drained, or failed (a failed context runs nothing more)
@@ -129,7 +134,8 @@ void NcclComm::synchronize(cudaStream_t stream) {
   for (;;) {
     const cudaError_t state = cudaEventQuery(done);
     if (state == cudaSuccess) break;
-    if (state != cudaErrorNotReady) {
+    if (state == cudaErrorNotReady) not_ready_seen();
+    else {
       cudaEventDestroy(done);
       fail(std::string("an all-reduce kernel failed: ") + cudaGetErrorString(state));
     }
