@@ -90,12 +90,14 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
 #ifdef GRADSYNC_WITH_CUDA
   TORCH_CHECK(!nccl_, "gradsync: this group already has an NCCL communicator");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));
-  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
-  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
-  // made once: allocating it per call could fail on this rank alone, after its peers entered the check
+  // What can fail on this rank alone comes before the join, which the peers wait in (until the
+  // timeout) for a rank that never comes. The check's table is made once: allocated per call, it
+  // could fail on this rank alone after its peers entered the check. Streams outlive a failed join.
   at::Tensor table = at::empty({size() * static_cast<int64_t>(sizeof(RingCall))},
                                at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  if (!compute_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
+  if (!wire_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
+  auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));
   std::lock_guard<std::mutex> lock(mutex_);  // published to the worker through the queue's mutex
   check_table_ = std::move(table);
   nccl_ = std::move(comm);
@@ -103,6 +105,15 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
   (void)unique_id, (void)device, (void)timeout_s;
   TORCH_CHECK(false, "gradsync was built without CUDA");
 #endif
+}
+
+std::string RingEngine::broken() const {
+#ifdef GRADSYNC_WITH_CUDA
+  if (broken_.empty() && nccl_ && nccl_->aborted()) {
+    return "gradsync: this group's NCCL communicator was aborted after an earlier failure; later calls on the group raise";
+  }
+#endif
+  return broken_;
 }
 
 int RingEngine::nccl_device() const {
@@ -313,7 +324,19 @@ void RingEngine::execute(Job& job) {
     checked(ring_call(t, o, slice_elems, direct), unprepared,
             [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
   }
-  if (unprepared) std::rethrow_exception(unprepared);
+  if (unprepared) {
+    if (!o.check_call && n > 1) {  // the peers are in the ring already, waiting for this rank
+      try {
+        std::rethrow_exception(unprepared);
+      } catch (const std::exception& e) {
+        broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") +
+                  e.what();
+      } catch (...) {
+        broken_ = "gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable";
+      }
+    }
+    std::rethrow_exception(unprepared);
+  }
   if (direct) {
     return direct_allreduce(transport_, static_cast<CpuRingKernels&>(*kernels), t.numel(), recv_image, send_image,
                             tag_base);
@@ -368,7 +391,6 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   uint8_t *recv_image = nullptr, *send_image = nullptr;
   std::exception_ptr unprepared;
   try {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
     kernels = std::make_unique<CudaRingKernels>(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype,
                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale),
                                                 compute_stream_, /*synchronize=*/false);
@@ -397,8 +419,13 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       compare_ring_calls(host.data(), n);  // every rank raises alike; the communicator stays usable
     });
   }
-  if (unprepared) std::rethrow_exception(unprepared);
+  if (unprepared) {
+    if (!o.check_call && n > 1) nccl_->abort(compute_stream_);  // the peers are in the ring, matched by order
+    std::rethrow_exception(unprepared);
+  }
   aborting_on_failure([&] {
+    // the check does not touch the tensor, so it need not wait for the caller's stream
+    C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
     NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
     ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
     nccl_->synchronize(compute_stream_);

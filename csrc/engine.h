@@ -65,8 +65,9 @@ class RingEngine {
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
-  // Why the group's ring is unusable ("" if it is not); read it once the engine has stopped.
-  const std::string& broken() const { return broken_; }
+  // Why the group's ring (or its NCCL communicator) is unusable, "" if it is not; read it once the
+  // engine has stopped.
+  std::string broken() const;
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
   // CUDA tensors of this group travel over gradsync's own NCCL communicator from now on (all ranks

@@ -13,6 +13,7 @@ import numbers
 import os
 import threading
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -39,7 +40,7 @@ of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a fe
 
 _engines = {}
 _engines_lock = threading.Lock()
-_broken = {}  # group -> why its ring is unusable, for groups whose engine shutdown() released
+_broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 
 
 class AllReduceWork:

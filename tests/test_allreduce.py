@@ -367,6 +367,24 @@ def test_a_rank_out_of_memory_makes_every_rank_raise_at_once(worlds):
             assert outcome.startswith("ValueError") and "rank(s) 1 could not prepare the call" in outcome, outcome
 
 
+def test_a_rank_out_of_memory_without_the_check_breaks_the_ring_everywhere():
+    # nothing tells the others, who wait in the ring for the group's timeout; the victim must not
+    # take its next call for a fresh start, since its peers' messages of the failed call are pending
+    timeout_s = 5
+    world = World(3, group_timeout_s=timeout_s)
+    try:
+        results = world.run(out_of_memory_on_one_rank, 1, False, timeout=120)
+    except AssertionError as e:  # the call after the failure raises on every rank
+        text = str(e)
+    else:
+        raise AssertionError(f"the group was still usable: {results}")
+    finally:
+        world.close()
+    sections = text.split("--- rank ")[1:]
+    assert len(sections) == 3 and all("group's ring is unusable" in t for t in sections), text
+    assert "allocate" in sections[1], text  # the victim's own error carried on
+
+
 def rss_bytes():
     with open("/proc/self/status") as f:
         for line in f:
