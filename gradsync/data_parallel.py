@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from .distributed import _check_flag, _resolve_group, all_reduce
-from .ops import FLOAT_DTYPES, _check_codec, flatten, unflatten
+from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _check_codec, flatten, unflatten
 
 __all__ = ["DataParallel"]
 
 _FIRST_BUCKET_BYTES = 1 << 20  # small, so that communication starts early in backward (as DDP does)
-_FLAG_ALIGN = 128  # gradsync's fp8 block: the used flags sit in blocks of their own, apart from gradients
+_FLAG_ALIGN = FP8_BLOCK_SIZE  # the used flags sit in fp8 blocks of their own, apart from any gradient's scale
 
 
 class _Bucket:
@@ -50,9 +50,9 @@ class _Bucket:
             flags.fill_(1.0)  # a kernel: a copy from the host would wait for the backward's kernels
             return
         if self.mask is None or self.mask[0] != unused:  # copied from the host only when the set changes
-            mask = torch.ones(len(self.params), dtype=torch.float32)
+            mask = torch.ones(len(self.params), dtype=torch.float32, pin_memory=flags.is_cuda)
             mask[unused] = 0.0
-            self.mask = (unused, mask.to(flags.device))
+            self.mask = (unused, mask.to(flags.device, non_blocking=True))  # pinned: no wait for the backward
         flags.copy_(self.mask[1])
 
 
@@ -149,6 +149,7 @@ class DataParallel(torch.nn.Module):
         self._next = 0  # the next bucket to issue, in order
         self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
         self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
+        self._abandoned = set()  # ... or in a step abandoned since: used if its gradient is still there
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -241,12 +242,14 @@ class DataParallel(torch.nn.Module):
 
     def _abandon_step(self):
         """A step that did not reach its end: its calls finish before its buffers are reused. What it
-        accumulated stays in the gradients, so it counts as used at the next synchronized step."""
+        accumulated counts as used at the next synchronized step, unless its gradient was set to None
+        since (the batch skipped). The residuals of its calls are not restored: error feedback drops
+        that step's old error."""
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):
                     bucket.work.wait()
-        self._used |= self._arrived
+        self._abandoned |= self._arrived
         self._reset()
 
     def _reset(self):
@@ -262,18 +265,22 @@ class DataParallel(torch.nn.Module):
             bucket = self._buckets[self._next]
             if not force and bucket.ready < bucket.expected:
                 return
-            flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params],
+            flatten([p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for p in bucket.params],
                     dtype=torch.float32, out=bucket.buffer[:bucket.numel])
-            bucket.unused = [j for j, p in enumerate(bucket.params)
-                             if id(p) not in self._arrived and id(p) not in self._used]  # in order
+            bucket.unused = [j for j, p in enumerate(bucket.params) if not self._used_here(p)]  # in order
             bucket.set_flags(bucket.unused)
             if bucket.residual is not None:
                 bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
                 # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
-                bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused}
+                bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused
+                                          if bucket.params[j].requires_grad}
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
                                      residual=bucket.residual, check_call=not self._checked)
             self._next += 1
+
+    def _used_here(self, p):
+        return p.requires_grad and (id(p) in self._arrived or id(p) in self._used or
+                                    (id(p) in self._abandoned and p.grad is not None))
 
     def _finish_backward(self):
         try:
@@ -301,6 +308,7 @@ class DataParallel(torch.nn.Module):
             self._abandon_step()
             raise
         self._used.clear()
+        self._abandoned.clear()
         self._reset()
 
     def _write_back(self, bucket, unused_everywhere):

@@ -201,10 +201,13 @@ def unused_like_ddp(rank, size, modes):
         torch.manual_seed(0)
         net = Branches()
         if mode == "ddp":
-            model = DDP(net, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+            model = DDP(net, bucket_cap_mb=UNUSED_BUCKET_MB, find_unused_parameters=True)
         else:
             codec, _, ef = mode.partition("+")
-            model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef))
+            model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef))
+            # unused parameters in several buckets, so that their flags are read at several offsets
+            buckets = {id(model._bucket_of[p]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
+            assert len(buckets) >= 2
         out[mode] = []
         for step, (users, sync_free_users, to_none) in enumerate(UNUSED_STEPS[:-1] if mode == "ddp" else UNUSED_STEPS):
             if to_none == "before":
@@ -215,10 +218,21 @@ def unused_like_ddp(rank, size, modes):
                     F.mse_loss(model(x, rank in sync_free_users, rank), y).backward()
             if to_none == "between":
                 model.zero_grad(set_to_none=True)
+            residual = extra_residual(model, net) if "+ef" in mode else None
             F.mse_loss(model(x, rank in users, rank), y).backward()
             out[mode].append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+            if residual is not None and step == 3:  # no rank uses `extra`: its residual outlives the step unpaid
+                out["extra residual"] = (bool(residual.any()), torch.equal(residual, extra_residual(model, net)))
     return out
 
+
+def extra_residual(model, net):
+    bucket = model._bucket_of[net.extra.weight]
+    j = next(j for j, p in enumerate(bucket.params) if p is net.extra.weight)
+    return bucket.segment(j, bucket.residual).clone()
+
+
+UNUSED_BUCKET_MB = 0.001  # 262 fp32 values: two buckets
 
 UNUSED_MODES = {"none": 1e-6, "fp16": 5e-3, "bf16": 2e-2, "fp8_e5m2": 0.25, "fp8_e4m3+ef": 0.1}
 
@@ -228,6 +242,7 @@ def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
     # (no_sync() included) holds the average on every rank, even where its gradient was set to None;
     # one no rank used keeps the gradient it had, None or old
     results = worlds(3).run(unused_like_ddp, ["ddp", *UNUSED_MODES])
+    assert all(r["extra residual"][1] for r in results) and any(r["extra residual"][0] for r in results)
     for rank, result in enumerate(results):
         ddp = result["ddp"]
         for mode, tolerance in UNUSED_MODES.items():
