@@ -13,6 +13,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "kernels/multi_tensor.h"
 #endif
 
 namespace gradsync {
@@ -95,6 +97,10 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
   // could fail on this rank alone after its peers entered the check. Streams outlive a failed join.
   at::Tensor table = at::empty({size() * static_cast<int64_t>(sizeof(RingCall))},
                                at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  // loaded before any of gradsync's NCCL kernels runs (kernels/cuda_common.h, load_kernel)
+  for (const cudaError_t loaded : {load_cast_kernels(), load_fp8_kernels(), load_multi_tensor_kernels()}) {
+    C10_CUDA_CHECK(loaded);
+  }
   if (!compute_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
   if (!wire_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
   auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));

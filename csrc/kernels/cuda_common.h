@@ -35,6 +35,16 @@ __device__ __forceinline__ float store_one(void* p, int64_t i, float v) {
   }
 }
 
+// Loads `kernel` now. CUDA loads a kernel at its first launch by default (CUDA_MODULE_LOADING=LAZY,
+// which torch sets), under the context's lock and after the device's queued work has drained: a
+// first launch while NCCL kernels wait for a peer could wait for them forever. Keeps the first error.
+template <typename Kernel>
+inline void load_kernel(Kernel kernel, cudaError_t& status) {
+  cudaFuncAttributes attributes;
+  const cudaError_t loaded = cudaFuncGetAttributes(&attributes, kernel);
+  if (status == cudaSuccess) status = loaded;
+}
+
 // Enough blocks of `threads` threads to fill every SM of the current device a few times over;
 // grid-stride loops cover the rest.
 inline int64_t max_resident_blocks(int threads) {
