@@ -97,7 +97,7 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
   // could fail on this rank alone after its peers entered the check. Streams outlive a failed join.
   at::Tensor table = at::empty({size() * static_cast<int64_t>(sizeof(RingCall))},
                                at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
-  // loaded before any of gradsync's NCCL kernels runs (kernels/cuda_common.h, load_kernel)
+  // loaded before any of gradsync's NCCL kernels runs (kernels/cuda_common.h, load_kernels)
   for (const cudaError_t loaded : {load_cast_kernels(), load_fp8_kernels(), load_multi_tensor_kernels()}) {
     C10_CUDA_CHECK(loaded);
   }

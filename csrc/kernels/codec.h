@@ -81,7 +81,7 @@ cudaError_t reduce_cast_feedback_cuda(const void* in, DType wire, const void* lo
 cudaError_t fp8_reduce_encode_feedback_cuda(Fp8Format format, const uint8_t* in, const void* local,
                                             DType local_dtype, int64_t n, float prescale, float* residual,
                                             uint8_t* out, cudaStream_t stream);
-// Every kernel of the functions above, loaded now (see load_kernel in cuda_common.h).
+// Every kernel of the functions above, loaded now (see load_kernels in cuda_common.h).
 cudaError_t load_cast_kernels();
 cudaError_t load_fp8_kernels();
 #endif

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "numerics.h"
 
@@ -35,14 +36,28 @@ __device__ __forceinline__ float store_one(void* p, int64_t i, float v) {
   }
 }
 
-// Loads `kernel` now. CUDA loads a kernel at its first launch by default (CUDA_MODULE_LOADING=LAZY,
-// which torch sets), under the context's lock and after the device's queued work has drained: a
-// first launch while NCCL kernels wait for a peer could wait for them forever. Keeps the first error.
-template <typename Kernel>
-inline void load_kernel(Kernel kernel, cudaError_t& status) {
+template <typename... Errors>
+inline cudaError_t first_error(Errors... errors) {
+  cudaError_t first = cudaSuccess;
+  ((first = first != cudaSuccess ? first : errors), ...);
+  return first;
+}
+
+// Loads the kernels now; the first error. CUDA loads a kernel at its first launch by default
+// (CUDA_MODULE_LOADING=LAZY, which torch sets), under the context's lock and after the device's
+// queued work has drained: a first launch while NCCL kernels wait for a peer could wait forever.
+template <typename... Kernels>
+inline cudaError_t load_kernels(Kernels... kernels) {
   cudaFuncAttributes attributes;
-  const cudaError_t loaded = cudaFuncGetAttributes(&attributes, kernel);
-  if (status == cudaSuccess) status = loaded;
+  return first_error(cudaFuncGetAttributes(&attributes, kernels)...);
+}
+
+// f(std::integral_constant<DType, T>{}) for each of the three dtypes T; the first error.
+template <typename F>
+inline cudaError_t for_each_dtype(F f) {
+  return first_error(f(std::integral_constant<DType, DType::kFloat32>{}),
+                     f(std::integral_constant<DType, DType::kFloat16>{}),
+                     f(std::integral_constant<DType, DType::kBFloat16>{}));
 }
 
 // Enough blocks of `threads` threads to fill every SM of the current device a few times over;

@@ -191,30 +191,19 @@ cudaError_t reduce_encode_feedback(const uint8_t* in, const void* local, DType l
   return cudaGetLastError();
 }
 
-template <Fp8Format F, DType T>
-void load_one_dtype(cudaError_t& status) {
-  load_kernel(fp8_encode_kernel<F, T>, status);
-  load_kernel(fp8_reduce_encode_kernel<F, T>, status);
-  load_kernel(fp8_reduce_encode_feedback_kernel<F, T, true>, status);
-  load_kernel(fp8_reduce_encode_feedback_kernel<F, T, false>, status);
-  load_kernel(fp8_decode_kernel<F, T>, status);
-}
-
 template <Fp8Format F>
-void load_format(cudaError_t& status) {
-  load_one_dtype<F, DType::kFloat32>(status);
-  load_one_dtype<F, DType::kFloat16>(status);
-  load_one_dtype<F, DType::kBFloat16>(status);
+cudaError_t load_format() {
+  return for_each_dtype([](auto t) {
+    constexpr DType T = decltype(t)::value;
+    return load_kernels(fp8_encode_kernel<F, T>, fp8_reduce_encode_kernel<F, T>,
+                        fp8_reduce_encode_feedback_kernel<F, T, true>, fp8_reduce_encode_feedback_kernel<F, T, false>,
+                        fp8_decode_kernel<F, T>);
+  });
 }
 
 }  // namespace
 
-cudaError_t load_fp8_kernels() {
-  cudaError_t status = cudaSuccess;
-  load_format<Fp8Format::kE4M3>(status);
-  load_format<Fp8Format::kE5M2>(status);
-  return status;
-}
+cudaError_t load_fp8_kernels() { return first_error(load_format<Fp8Format::kE4M3>(), load_format<Fp8Format::kE5M2>()); }
 
 cudaError_t fp8_reduce_encode_feedback_cuda(Fp8Format format, const uint8_t* in, const void* local,
                                             DType local_dtype, int64_t n, float prescale, float* residual,

@@ -72,7 +72,7 @@ constexpr int64_t kCudaChunk = 1 << 14;
 // `segments` lives in device memory; the plan was made with kCudaChunk. One kernel launch.
 cudaError_t multi_tensor_copy_cuda(const Segment* segments, int64_t num_segments, int64_t num_chunks, void* flat,
                                    DType flat_dtype, float scale, Direction direction, cudaStream_t stream);
-// Every kernel of multi_tensor_copy_cuda, loaded now (see load_kernel in cuda_common.h).
+// Every kernel of multi_tensor_copy_cuda, loaded now (see load_kernels in cuda_common.h).
 cudaError_t load_multi_tensor_kernels();
 #endif
 

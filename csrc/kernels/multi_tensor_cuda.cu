@@ -119,20 +119,13 @@ cudaError_t launch(const Segment* segments, int64_t num_segments, int64_t num_ch
   return cudaGetLastError();
 }
 
-template <DType F>
-void load_flat_dtype(cudaError_t& status) {
-  load_kernel(multi_tensor_copy_kernel<F, Direction::kToFlat>, status);
-  load_kernel(multi_tensor_copy_kernel<F, Direction::kFromFlat>, status);
-}
-
 }  // namespace
 
 cudaError_t load_multi_tensor_kernels() {
-  cudaError_t status = cudaSuccess;
-  load_flat_dtype<DType::kFloat32>(status);
-  load_flat_dtype<DType::kFloat16>(status);
-  load_flat_dtype<DType::kBFloat16>(status);
-  return status;
+  return for_each_dtype([](auto f) {
+    constexpr DType F = decltype(f)::value;
+    return load_kernels(multi_tensor_copy_kernel<F, Direction::kToFlat>, multi_tensor_copy_kernel<F, Direction::kFromFlat>);
+  });
 }
 
 cudaError_t multi_tensor_copy_cuda(const Segment* segments, int64_t num_segments, int64_t num_chunks, void* flat,

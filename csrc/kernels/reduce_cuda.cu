@@ -82,29 +82,16 @@ void launch_feedback(const void* in, const void* local, DType lt, int64_t n, flo
   }
 }
 
-template <DType W, DType L>
-void load_pair(cudaError_t& status) {
-  load_kernel(reduce_cast_kernel<W, L>, status);
-  load_kernel(convert_kernel<W, L>, status);
-  load_kernel(reduce_cast_feedback_kernel<W, L, true>, status);
-  load_kernel(reduce_cast_feedback_kernel<W, L, false>, status);
-}
-
-template <DType W>
-void load_row(cudaError_t& status) {
-  load_pair<W, DType::kFloat32>(status);
-  load_pair<W, DType::kFloat16>(status);
-  load_pair<W, DType::kBFloat16>(status);
-}
-
 }  // namespace
 
 cudaError_t load_cast_kernels() {
-  cudaError_t status = cudaSuccess;
-  load_row<DType::kFloat32>(status);
-  load_row<DType::kFloat16>(status);
-  load_row<DType::kBFloat16>(status);
-  return status;
+  return for_each_dtype([](auto w) {
+    return for_each_dtype([](auto l) {
+      constexpr DType W = decltype(w)::value, L = decltype(l)::value;
+      return load_kernels(reduce_cast_kernel<W, L>, convert_kernel<W, L>, reduce_cast_feedback_kernel<W, L, true>,
+                          reduce_cast_feedback_kernel<W, L, false>);
+    });
+  });
 }
 
 cudaError_t convert_cuda(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float scale,
