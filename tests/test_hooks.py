@@ -161,15 +161,19 @@ def test_ddp_options_with_the_fp16_hook(worlds, options):
     assert relative(results[0]["hook:fp16"][1], results[0]["ddp"][1]) < 1e-3
 
 
-def unused_parameter(rank, size):
-    model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB)
-    x, y = batch(rank, 0)
-    F.mse_loss(model(x), y).backward()
-    return model.module.spare.weight.grad is None and model.module.body[0].weight.grad is not None
+def unused_parameter(rank, size, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    model = gradsync.DataParallel(make_net(unused=True, dtype=dtype), codec="fp16", bucket_cap_mb=BUCKET_MB)
+    x, y = batch(rank, 0, dtype=dtype)
+    F.mse_loss(model(x).float(), y.float()).backward()
+    grad = model.module.body[0].weight.grad
+    return model.module.spare.weight.grad is None and grad.dtype == dtype, digest(grad)
 
 
-def test_data_parallel_leaves_parameters_no_rank_used_without_gradient(worlds):
-    assert all(worlds(2).run(unused_parameter))
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_data_parallel_leaves_parameters_no_rank_used_without_gradient(worlds, dtype_name):
+    results = worlds(2).run(unused_parameter, dtype_name)
+    assert all(ok for ok, _ in results) and len({d for _, d in results}) == 1
 
 
 class Branches(torch.nn.Module):
