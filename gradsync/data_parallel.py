@@ -5,6 +5,8 @@ gradsync's ring as soon as its last gradient arrives, while backward goes on, an
 gradients are written back before ``backward()`` returns.
 """
 import contextlib
+import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -56,6 +58,17 @@ class _Bucket:
         flags.copy_(self.mask[1])
 
 
+def _on_grad(wrapper, param):
+    wrapper = wrapper()
+    if wrapper is not None:
+        wrapper._on_grad(param)
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
+
+
 class DataParallel(torch.nn.Module):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
@@ -99,7 +112,8 @@ class DataParallel(torch.nn.Module):
       nothing, wherever it runs.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
-      ``model.module.state_dict()`` for unprefixed keys).
+      ``model.module.state_dict()`` for unprefixed keys). Its gradient hooks go with it: once the
+      wrapper is gone, the module trains alone or can be wrapped again.
     """
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
@@ -152,7 +166,11 @@ class DataParallel(torch.nn.Module):
         self._abandoned = set()  # ... or in a step abandoned since: used if its gradient is still there
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
+        # used bare once its wrapper is gone, is not averaged by a forgotten wrapper too
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
+                   for p in params]
+        weakref.finalize(self, _remove_hooks, handles)
 
     def _add_bucket(self, params, error_feedback):
         bucket = _Bucket(params, self._device, error_feedback)

@@ -1,6 +1,8 @@
 """gradsync's DDP hooks and gradsync.DataParallel training real models on gloo ranks, against fp32 DDP."""
 import contextlib
+import gc
 import hashlib
+import weakref
 
 import pytest
 import torch
@@ -267,6 +269,28 @@ def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
         last = [r[mode][4][extra] for r in results]
         assert all(g is not None and torch.equal(g, last[0]) for g in last), mode
         assert "+ef" in mode or not last[0].any(), mode
+
+
+def wrap_again(rank, size):
+    net = make_net()
+    model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB)
+    x, y = batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    if rank == 0:  # the bare module's backward: with the old wrapper's hooks left, rank 0 would wait for rank 1
+        F.mse_loss(net(x), y).backward()
+    net.zero_grad()
+    model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=BUCKET_MB)
+    F.mse_loss(model(x), y).backward()
+    return gone() is None, digest(params_of(net)), digest(torch.cat([p.grad.flatten() for p in net.parameters()]))
+
+
+def test_a_wrapper_that_is_gone_leaves_no_hooks(worlds):
+    results = worlds(2).run(wrap_again)
+    assert all(gone for gone, _, _ in results)
+    assert len({r[1:] for r in results}) == 1  # one average, every rank
 
 
 class Fails(torch.autograd.Function):
