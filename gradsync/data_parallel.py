@@ -94,9 +94,9 @@ class DataParallel(torch.nn.Module):
       bucket holding a parameter this rank does not use goes out at the end of backward (and the
       buckets after it with it), where DDP, told to find unused parameters, marks them ready
       before backward starts. A parameter frozen after wrapping (``requires_grad=False``)
-      contributes zeros, is never written and does not hold back its bucket. Wrap the model once it is final and
-      on its device: a forward after its parameters were moved to another device, replaced
-      (``load_state_dict(assign=True)``) or unfrozen raises.
+      contributes zeros, is never written and does not hold back its bucket. Wrap the model once
+      it is final and on its device: a forward after its parameters were moved to another device,
+      replaced (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant
