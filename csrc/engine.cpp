@@ -98,8 +98,14 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
   at::Tensor table = at::empty({size() * static_cast<int64_t>(sizeof(RingCall))},
                                at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
   // loaded before any of gradsync's NCCL kernels runs (kernels/cuda_common.h, load_kernels)
-  for (const cudaError_t loaded : {load_cast_kernels(), load_fp8_kernels(), load_multi_tensor_kernels()}) {
-    C10_CUDA_CHECK(loaded);
+  cudaError_t loaded = load_cast_kernels();
+  if (loaded == cudaSuccess) loaded = load_fp8_kernels();
+  if (loaded == cudaSuccess) loaded = load_multi_tensor_kernels();
+  if (loaded != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    TORCH_CHECK(false, "gradsync: its CUDA kernels cannot be loaded on cuda:", device, " (", cudaGetErrorString(loaded),
+                "): was it built for this GPU's architecture? python -m gradsync.report shows the arch list it was "
+                "built for (TORCH_CUDA_ARCH_LIST at build time)");
   }
   if (!compute_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
   if (!wire_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));

@@ -112,8 +112,11 @@ class DataParallel(torch.nn.Module):
       nothing, wherever it runs.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
-      ``model.module.state_dict()`` for unprefixed keys). Its gradient hooks go with it: once the
-      wrapper is gone, the module trains alone or can be wrapped again.
+      ``model.module.state_dict()`` for unprefixed keys). Its gradient hooks go with it, as
+      DDP's go with its reducer: keep the wrapper while it trains (``net = DataParallel(net).module``
+      trains alone); once it is gone, the module trains alone or can be wrapped again. A wrapper
+      caught in a reference cycle goes when the cycle collector runs, at its own time on each rank:
+      break the cycle, or call ``gc.collect()`` on every rank, before wrapping the module again.
     """
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
