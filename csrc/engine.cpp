@@ -247,7 +247,7 @@ void RingEngine::after_failure(const Job& job, const char* what, bool nccl_abort
   (void)nccl_aborted_before;
 #endif
   if (in_flight) {
-    broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") + what;
+    mark_unusable(what);
     // receives posted straight into a host result (codec "none") stay posted: a late peer still lands
     // there (CUDA tensors over the process group receive into the pinned workspaces only)
     if (!job.tensor.is_cuda()) new at::Tensor(job.tensor);  // leaked on purpose, as the workspaces below
@@ -297,6 +297,7 @@ void RingEngine::execute(Job& job) {
   std::unique_ptr<CodecRingKernels> kernels;
   uint8_t *recv_image = nullptr, *send_image = nullptr;
   std::exception_ptr unprepared;
+  std::string unprepared_what = "an unknown exception";
 #ifdef GRADSYNC_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStreamGuard> guard;
 #endif
@@ -329,6 +330,9 @@ void RingEngine::execute(Job& job) {
       recv_image = workspace(recv_image_, image_bytes, at::kCPU, pinned);
       send_image = workspace(send_image_, image_bytes, at::kCPU, pinned);
     }
+  } catch (const std::exception& e) {
+    unprepared = std::current_exception();
+    unprepared_what = e.what();
   } catch (...) {
     unprepared = std::current_exception();
   }
@@ -337,16 +341,7 @@ void RingEngine::execute(Job& job) {
             [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
   }
   if (unprepared) {
-    if (!o.check_call && n > 1) {  // the peers are in the ring already, waiting for this rank
-      try {
-        std::rethrow_exception(unprepared);
-      } catch (const std::exception& e) {
-        broken_ = std::string("gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: ") +
-                  e.what();
-      } catch (...) {
-        broken_ = "gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable";
-      }
-    }
+    if (!o.check_call && n > 1) mark_unusable(unprepared_what);  // the peers are in the ring, waiting for this rank
     std::rethrow_exception(unprepared);
   }
   if (direct) {
@@ -354,6 +349,10 @@ void RingEngine::execute(Job& job) {
                             tag_base);
   }
   ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
+}
+
+void RingEngine::mark_unusable(const std::string& what) {
+  broken_ = "gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: " + what;
 }
 
 void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,

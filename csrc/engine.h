@@ -91,6 +91,8 @@ class RingEngine {
   void run();
   // After a call failed for another reason than the ranks' disagreement.
   void after_failure(const Job& job, const char* what, bool nccl_aborted_before);
+  // Later calls on the group raise, saying why: messages of a failed call may still arrive.
+  void mark_unusable(const std::string& what);
   void execute(Job& job);
   // The agreement check, `call` carrying whether this rank prepared the call (`unprepared`: why
   // not). A rank that did not raises its own error, the others std::invalid_argument naming it.
