@@ -5,6 +5,7 @@ gradsync's ring as soon as its last gradient arrives, while backward goes on, an
 gradients are written back before ``backward()`` returns.
 """
 import contextlib
+import dataclasses
 import functools
 import weakref
 from typing import Optional
@@ -58,6 +59,42 @@ class _Bucket:
         flags.copy_(self.mask[1])
 
 
+def _tensors_in(obj):
+    """The tensors in a forward's output, through lists, tuples, dicts and dataclasses (as DDP looks)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, field.name))
+
+
+def _reached_leaves(output):
+    """The ids of the leaf tensors whose gradient a backward from ``output`` accumulates: the
+    AccumulateGrad nodes of its autograd graph."""
+    reached, seen, stack = set(), set(), []
+    for t in _tensors_in(output):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            reached.add(id(t))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(f for f, _ in node.next_functions if f is not None and f not in seen)
+    return reached
+
+
 def _on_grad(wrapper, param):
     wrapper = wrapper()
     if wrapper is not None:
@@ -90,10 +127,15 @@ class DataParallel(torch.nn.Module):
       rank produced a gradient for it since the last synchronized step (``no_sync()`` included),
       and is left untouched (None stays None, and its error-feedback residual is kept) if none
       did, as with DDP's ``find_unused_parameters=True``, which gradsync needs no flag for: each
-      bucket carries a used flag per parameter, so this costs no extra communication. But a
-      bucket holding a parameter this rank does not use goes out at the end of backward (and the
-      buckets after it with it), where DDP, told to find unused parameters, marks them ready
-      before backward starts. A parameter frozen after wrapping (``requires_grad=False``)
+      bucket carries a used flag per parameter, so this costs no extra communication. Left at
+      that, a bucket holding a parameter this rank does not use goes out at the end of backward
+      (and the buckets after it with it). ``find_unused_parameters=True`` makes each
+      synchronized forward walk the autograd graph of its output, as DDP does, so that a
+      parameter the graph does not reach no longer holds its bucket back, and communication
+      overlaps backward in steps that leave parameters unused (branches, experts); the walk
+      costs a pass over the graph per forward. A parameter the walk missed that gets a gradient
+      after its bucket went out (used outside the forward, or inside a reentrant checkpoint)
+      raises, as under DDP. A parameter frozen after wrapping (``requires_grad=False``)
       contributes zeros, is never written and does not hold back its bucket. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises.
@@ -121,13 +163,14 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None, error_feedback: bool = False,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_codec(codec)
         error_feedback = _check_flag(error_feedback, "error_feedback")
         broadcast_buffers = _check_flag(broadcast_buffers, "broadcast_buffers")
+        find_unused_parameters = _check_flag(find_unused_parameters, "find_unused_parameters")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         params = [p for p in module.parameters() if p.requires_grad]
@@ -145,6 +188,7 @@ class DataParallel(torch.nn.Module):
         self.codec = codec
         self.process_group = _resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
         self._device = params[0].device
         self._param_ids = {id(p) for p in module.parameters()}
         self._sync = True  # False inside no_sync()
@@ -167,6 +211,7 @@ class DataParallel(torch.nn.Module):
         self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
         self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
         self._abandoned = set()  # ... or in a step abandoned since: used if its gradient is still there
+        self._reached = None  # with find_unused_parameters: the leaves this step's forwards reach, else None
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
@@ -211,7 +256,10 @@ class DataParallel(torch.nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 self._broadcast(buffers)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
+            self._reached = _reached_leaves(output) | (self._reached or set())
+        return output
 
     def _check_parameters(self):
         params = list(self.module.parameters())
@@ -239,8 +287,8 @@ class DataParallel(torch.nn.Module):
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            for bucket in self._buckets:  # a parameter frozen since wrapping gets no gradient to wait for
-                bucket.expected = sum(1 for p in bucket.params if p.requires_grad)
+            for bucket in self._buckets:  # a parameter frozen since wrapping, or not reached, gets none to wait for
+                bucket.expected = sum(1 for p in bucket.params if p.requires_grad and self._reaches(p))
         if param.grad is not None and param.grad.layout != torch.strided:
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
                                "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
@@ -254,9 +302,21 @@ class DataParallel(torch.nn.Module):
                     "several reentrant activation checkpoints, or inside one and outside it. Use "
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             return  # its bucket has not gone out: the flatten will read the whole sum
+        if not self._reaches(param):
+            if bucket.work is not None:
+                raise RuntimeError(
+                    f"gradsync.DataParallel: parameter {self._name(param)!r} received its gradient after its bucket "
+                    "was all-reduced without it: find_unused_parameters=True found it unreachable from the forward's "
+                    "output (it is used outside the wrapped forward, or inside a reentrant activation checkpoint). "
+                    "Use it inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                    "find_unused_parameters=False")
+            bucket.expected += 1  # its bucket waits for it after all
         self._arrived.add(id(param))
         bucket.ready += 1
         self._issue(force=False)
+
+    def _reaches(self, param):
+        return self._reached is None or id(param) in self._reached
 
     def _name(self, param):
         return next((n for n, q in self.module.named_parameters() if q is param), "?")
@@ -279,6 +339,7 @@ class DataParallel(torch.nn.Module):
             bucket.saved_residuals.clear()
         self._next = 0
         self._arrived.clear()
+        self._reached = None
         self._in_backward = False
 
     def _issue(self, force):

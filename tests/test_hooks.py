@@ -209,8 +209,10 @@ def unused_like_ddp(rank, size, modes):
         if mode == "ddp":
             model = DDP(net, bucket_cap_mb=UNUSED_BUCKET_MB, find_unused_parameters=True)
         else:
-            codec, _, ef = mode.partition("+")
-            model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef))
+            find, _, codec = mode.rpartition(":")  # "find:..." walks the forward's graph for unused parameters
+            codec, _, ef = codec.partition("+")
+            model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef),
+                                          find_unused_parameters=bool(find))
             # unused parameters in several buckets, so that their flags are read at several offsets
             buckets = {id(model._bucket_of[p]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
             assert len(buckets) >= 2
@@ -240,7 +242,8 @@ def extra_residual(model, net):
 
 UNUSED_BUCKET_MB = 0.001  # 262 fp32 values: two buckets
 
-UNUSED_MODES = {"none": 1e-6, "fp16": 5e-3, "bf16": 2e-2, "fp8_e5m2": 0.25, "fp8_e4m3+ef": 0.1}
+UNUSED_MODES = {"none": 1e-6, "fp16": 5e-3, "bf16": 2e-2, "fp8_e5m2": 0.25, "fp8_e4m3+ef": 0.1,
+                "find:none": 1e-6, "find:fp8_e4m3+ef": 0.1}
 
 
 def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
@@ -269,6 +272,48 @@ def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
         last = [r[mode][4][extra] for r in results]
         assert all(g is not None and torch.equal(g, last[0]) for g in last), mode
         assert "+ef" in mode or not last[0].any(), mode
+
+
+def issued_when_the_first_layer_is_done(rank, size, find):
+    """How many buckets had gone out when the first layer's weight got its gradient, per step, and the
+    gradients; ``spare``, which no rank uses, sits in the first bucket."""
+    model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB,
+                                  find_unused_parameters=find)
+    net = model.module
+    assert [id(p) for p in model.buckets[0]] == [id(net.spare.bias), id(net.spare.weight)] and len(model.buckets) == 3
+    issued = []
+    net.body[0].weight.register_post_accumulate_grad_hook(lambda p: issued.append(model._next))  # after gradsync's
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+    assert net.spare.weight.grad is None and net.spare.bias.grad is None
+    return issued, digest(torch.cat([p.grad.flatten() for p in net.body.parameters()]))
+
+
+def test_data_parallel_finding_unused_parameters_lets_their_bucket_go_out_during_backward(worlds):
+    results = {find: worlds(2).run(issued_when_the_first_layer_is_done, find) for find in (False, True)}
+    assert all(issued == [0, 0, 0] for issued, _ in results[False])  # spare's bucket waited for the end
+    assert all(min(issued) >= 2 for issued, _ in results[True])  # only the first layer's own bucket left
+    assert len({grads for r in results.values() for _, grads in r}) == 1  # the same averages
+
+
+def gradient_after_its_bucket(rank, size):
+    model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB,
+                                  find_unused_parameters=True)
+    x, y = batch(rank, 0)
+    penalty = model.module.spare.weight.square().sum()  # outside the forward: the walk cannot see it
+    with pytest.raises(RuntimeError) as error:
+        (F.mse_loss(model(x), y) + penalty).backward()
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()  # the next step starts afresh
+    return str(error.value), digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
+
+
+def test_data_parallel_raises_for_a_parameter_found_unused_that_gets_a_gradient(worlds):
+    results = worlds(2).run(gradient_after_its_bucket)
+    assert all("'spare.weight'" in message and "find_unused_parameters" in message for message, _ in results)
+    assert results[0][1] == results[1][1]
 
 
 def wrap_again(rank, size):
@@ -529,6 +574,8 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: hooks.GradSyncState(postscale="2"), ValueError, "postscale must be a finite, non-zero number"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), error_feedback=None), TypeError, "error_feedback must be"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), broadcast_buffers="yes"), TypeError, "broadcast_buffers must"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), find_unused_parameters="no"), TypeError,
+     "find_unused_parameters must"),
     (lambda: gradsync.DataParallel(torch.nn.ReLU()), ValueError, "no parameters that require gradients"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
