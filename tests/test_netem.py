@@ -180,6 +180,8 @@ dist.init_process_group("gloo", store=dist.FileStore(os.path.join(sys.argv[2], "
 dist.barrier()
 loops = [int(t) for t in os.listdir("/proc/self/task")
          if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"]
+if not loops:
+    sys.exit("SKIP: this torch's gloo leaves its loop thread unnamed")  # as torch 2.11's does
 own = os.getpriority(os.PRIO_PROCESS, 0)
 lower = min(own + 7, 19)  # a thread's niceness stops at 19
 assert lower > own, "this test needs to run below nice 19"
@@ -194,4 +196,6 @@ def test_the_benchmark_can_lower_only_gloos_loop_threads(tmp_path):
     # run from elsewhere, so that `import gradsync` finds the installed package, not the source tree
     result = subprocess.run([sys.executable, "-c", NICE_LOOPS, ROOT, str(tmp_path)], capture_output=True, text=True,
                             timeout=120, cwd=tmp_path)
+    if "SKIP: " in result.stderr:
+        pytest.skip(result.stderr.split("SKIP: ")[1].strip())
     assert result.returncode == 0, result.stderr[-2000:]
