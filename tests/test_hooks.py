@@ -536,6 +536,28 @@ def test_half_precision_models(worlds, dtype):
         assert loss < 0.8 * initial_loss(dtype), (mode, loss)
 
 
+def compiled_steps(rank, size):
+    """DataParallel of a torch.compile'd module (AOTAutograd's backward node between the output and
+    the parameters) against the same module eager, finding unused parameters through that node."""
+    grads = {}
+    for compiled in (False, True):
+        net = make_net(unused=True)
+        model = gradsync.DataParallel(torch.compile(net, backend="aot_eager") if compiled else net, codec="none",
+                                      bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            x, y = batch(rank, step)
+            F.mse_loss(model(x), y).backward()
+        assert net.spare.weight.grad is None
+        grads[compiled] = torch.cat([p.grad.flatten() for p in net.body.parameters()])
+    return relative(grads[True], grads[False]), digest(grads[True])
+
+
+def test_data_parallel_of_a_compiled_module(worlds):
+    results = worlds(2).run(compiled_steps)
+    assert all(error < 1e-6 for error, _ in results) and results[0][1] == results[1][1]
+
+
 def scaler_skips(rank, size, mode):
     model = wrap(make_net(), mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
