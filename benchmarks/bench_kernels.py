@@ -148,10 +148,10 @@ def main():
         rows += bench_case(name, tensors, device, copy_rate)
         del tensors
         print(f"# done: {name}", file=sys.stderr, flush=True)
+        if args.json:  # after every case: a run stopped at its time limit keeps what it measured
+            common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
+                                                       "gradsync": gradsync.__version__, "torch": torch.__version__})
     common.print_table(title, rows, common.KERNEL_COLUMNS)
-    if args.json:
-        common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
-                                                   "gradsync": gradsync.__version__, "torch": torch.__version__})
     if args.plot:
         common.plot(args.plot, title, [r for r in rows if r.case.startswith("buffer")], xlabel="bytes read + written",
                     ylabel="GB/s")

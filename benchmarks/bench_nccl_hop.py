@@ -77,7 +77,11 @@ def main():
         sys.exit("# the blocking run did not finish within 45 s")
     if child.returncode != 0:
         sys.exit(f"# the blocking run failed:\n{child.stderr[-2000:]}")
-    blocking = json.loads(child.stdout.strip().splitlines()[-1])
+    # the rows are the last line that is a JSON list: NCCL's own warnings may follow on stdout
+    lists = [line for line in child.stdout.splitlines() if line.startswith("[")]
+    if not lists:
+        sys.exit(f"# the blocking run printed no rows:\n{child.stdout[-2000:]}")
+    blocking = json.loads(lists[-1])
     print_rows(blocking)
     rows += blocking
     save()

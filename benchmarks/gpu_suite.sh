@@ -43,7 +43,12 @@ $python -m gradsync.report | tee "$out/report.txt"
 
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 $python -c "import pytest, hypothesis, numpy" 2>&1 | tee "$out/tests_cuda.log" || status=1
-timeout -s INT -k 15 200 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
+# the join-timeout test waits out an NCCL bootstrap by design: on its own, so that it cannot crowd out the others
+timeout -s INT -k 15 200 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider \
+  --deselect tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins 2>&1 | tee -a "$out/tests_cuda.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout -s INT -k 15 100 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
+  -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmarks [$((SECONDS - started))s]"
