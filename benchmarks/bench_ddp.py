@@ -28,7 +28,7 @@ import common  # noqa: E402
 import gradsync  # noqa: E402
 from gradsync import hooks  # noqa: E402
 
-COLUMNS = [("mode", "mode", 30, str), ("step(ms)", "step_ms", 10, common.fixed(1)),
+COLUMNS = [("mode", "mode", 41, str), ("step(ms)", "step_ms", 10, common.fixed(1)),
            ("wire/step", "wire_bytes", 11, common.format_bytes), ("vs DDP", "speedup", 8, common.ratio),
            ("vs torch fp16", "vs_torch_fp16", 14, common.ratio)]
 
@@ -71,8 +71,8 @@ def overlap(model, step, timeline):
 
 
 def wrapped(model, mode):
-    if mode == "gradsync.DataParallel fp16":
-        return gradsync.DataParallel(model, codec="fp16")
+    if mode.startswith("gradsync.DataParallel fp16"):
+        return gradsync.DataParallel(model, codec="fp16", gradient_as_bucket_view=mode.endswith("bucket views"))
     ddp = DDP(model)
     hook = {"torch fp16 hook": (None, default_hooks.fp16_compress_hook),
             "gradsync fp16 hook": (None, TIMELINE),
@@ -85,7 +85,8 @@ def wrapped(model, mode):
 
 
 WIRE = {"DDP default (fp32)": 4, "torch fp16 hook": 2, "gradsync fp16 hook": 2, "gradsync bf16 hook": 2,
-        "gradsync fp8 hook": 1 + 4 / 128, "gradsync fp8+EF hook": 1 + 4 / 128, "gradsync.DataParallel fp16": 2}
+        "gradsync fp8 hook": 1 + 4 / 128, "gradsync fp8+EF hook": 1 + 4 / 128, "gradsync.DataParallel fp16": 2,
+        "gradsync.DataParallel fp16, bucket views": 2}
 
 
 def main():

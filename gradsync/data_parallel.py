@@ -28,7 +28,7 @@ class _Bucket:
     the gradients, a flag is 0 exactly where no rank produced one (zeros stay zeros on every wire,
     and a block of flags keeps them apart from any gradient's scale)."""
 
-    def __init__(self, params, device, error_feedback):
+    def __init__(self, params, device, error_feedback, as_views):
         self.params = params
         self.offsets = [0]
         for p in params:
@@ -37,6 +37,10 @@ class _Bucket:
         self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
         self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
+        # gradient_as_bucket_view: the fp32 gradients live in the buffer (no copy in, none out)
+        self.views = [self.segment(j, self.buffer).view_as(p) for j, p in enumerate(params)] \
+            if as_views and all(p.dtype == torch.float32 for p in params) else None
+        self.saved_grads = {}  # index -> the gradient of a parameter this rank did not use, before the call
         self.ready = 0
         self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
         self.work = None
@@ -46,6 +50,22 @@ class _Bucket:
 
     def segment(self, j, of):
         return of[self.offsets[j]:self.offsets[j + 1]]
+
+    def holds(self, j):
+        """Whether parameter j's gradient is its view of the buffer."""
+        grad = self.params[j].grad
+        return grad is not None and grad.data_ptr() == self.views[j].data_ptr() and grad.stride() == \
+            self.views[j].stride()
+
+    def adopt(self, j):
+        """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
+        if not self.holds(j):
+            grad = self.params[j].grad
+            if grad is None:
+                self.views[j].zero_()
+            else:
+                self.views[j].copy_(grad)
+            self.params[j].grad = self.views[j]
 
     def set_flags(self, unused):
         flags = self.buffer[self.flags_at:]
@@ -120,6 +140,13 @@ class DataParallel(torch.nn.Module):
       buckets are issued in the same order on every rank.
       The first synchronized step verifies that every rank has the same buckets and codec; later
       steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
+    - ``gradient_as_bucket_view``: as DDP's, the ``.grad`` of each float32 parameter becomes a view
+      of its bucket, so that gradients take no memory beside the buckets and are neither copied
+      into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,
+      is copied in once as it arrives). Buckets that hold a float16 or bfloat16 parameter keep the
+      copies. Gradients are then written while their bucket's call runs: after a backward that
+      raised, run the next forward, which waits for the step's calls, before touching them; the
+      buckets that had gone out hold that step's averages.
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros (or the
@@ -163,7 +190,8 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None, error_feedback: bool = False,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -171,6 +199,7 @@ class DataParallel(torch.nn.Module):
         error_feedback = _check_flag(error_feedback, "error_feedback")
         broadcast_buffers = _check_flag(broadcast_buffers, "broadcast_buffers")
         find_unused_parameters = _check_flag(find_unused_parameters, "find_unused_parameters")
+        gradient_as_bucket_view = _check_flag(gradient_as_bucket_view, "gradient_as_bucket_view")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         params = [p for p in module.parameters() if p.requires_grad]
@@ -189,6 +218,7 @@ class DataParallel(torch.nn.Module):
         self.process_group = _resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = params[0].device
         self._param_ids = {id(p) for p in module.parameters()}
         self._sync = True  # False inside no_sync()
@@ -196,7 +226,7 @@ class DataParallel(torch.nn.Module):
         self._root = dist.get_global_rank(self.process_group, 0)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
 
-        self._buckets, self._bucket_of = [], {}
+        self._buckets, self._bucket_of, self._index_of = [], {}, {}
         cap = max(1, int(bucket_cap_mb * 2**20))
         limit, current, size = min(cap, _FIRST_BUCKET_BYTES), [], 0
         for p in reversed(params):
@@ -207,6 +237,10 @@ class DataParallel(torch.nn.Module):
                 current, size, limit = [], 0, cap
         if current:
             self._add_bucket(current, error_feedback)
+        for bucket in self._buckets:
+            for j, p in enumerate(bucket.params):
+                if bucket.views is not None and p.grad is not None:
+                    bucket.adopt(j)
         self._next = 0  # the next bucket to issue, in order
         self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
         self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
@@ -221,9 +255,10 @@ class DataParallel(torch.nn.Module):
         weakref.finalize(self, _remove_hooks, handles)
 
     def _add_bucket(self, params, error_feedback):
-        bucket = _Bucket(params, self._device, error_feedback)
-        for p in params:
+        bucket = _Bucket(params, self._device, error_feedback, self.gradient_as_bucket_view)
+        for j, p in enumerate(params):
             self._bucket_of[p] = bucket
+            self._index_of[p] = j
         self._buckets.append(bucket)
 
     def _broadcast(self, tensors):
@@ -281,19 +316,21 @@ class DataParallel(torch.nn.Module):
             self._sync = previous
 
     def _on_grad(self, param):
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
+                               "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
+                               "sparse=False))")
+        bucket = self._bucket_of[param]
+        if bucket.views is not None and bucket.work is None:
+            bucket.adopt(self._index_of[param])
         if not self._forward_synced:
             self._used.add(id(param))
             return
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            for bucket in self._buckets:  # a parameter frozen since wrapping, or not reached, gets none to wait for
-                bucket.expected = sum(1 for p in bucket.params if p.requires_grad and self._reaches(p))
-        if param.grad is not None and param.grad.layout != torch.strided:
-            raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
-                               "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
-                               "sparse=False))")
-        bucket = self._bucket_of[param]
+            for b in self._buckets:  # a parameter frozen since wrapping, or not reached, gets none to wait for
+                b.expected = sum(1 for p in b.params if p.requires_grad and self._reaches(p))
         if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
             if bucket.work is not None:
                 raise RuntimeError(
@@ -337,6 +374,7 @@ class DataParallel(torch.nn.Module):
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.unused = 0, None, []
             bucket.saved_residuals.clear()
+            bucket.saved_grads.clear()
         self._next = 0
         self._arrived.clear()
         self._reached = None
@@ -347,9 +385,12 @@ class DataParallel(torch.nn.Module):
             bucket = self._buckets[self._next]
             if not force and bucket.ready < bucket.expected:
                 return
-            flatten([p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for p in bucket.params],
-                    dtype=torch.float32, out=bucket.buffer[:bucket.numel])
             bucket.unused = [j for j, p in enumerate(bucket.params) if not self._used_here(p)]  # in order
+            if bucket.views is None:
+                flatten([p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p)
+                         for p in bucket.params], dtype=torch.float32, out=bucket.buffer[:bucket.numel])
+            else:
+                self._fill_views(bucket)
             bucket.set_flags(bucket.unused)
             if bucket.residual is not None:
                 bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
@@ -359,6 +400,22 @@ class DataParallel(torch.nn.Module):
             bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
                                      residual=bucket.residual, check_call=not self._checked)
             self._next += 1
+
+    @staticmethod
+    def _fill_views(bucket):
+        """The buffer of a bucket whose gradients are its views, as the flatten would fill another."""
+        unused = set(bucket.unused)
+        for j, p in enumerate(bucket.params):
+            if not p.requires_grad:  # frozen since wrapping: zeros go out, and its gradient stays as it is
+                if bucket.holds(j):
+                    p.grad = p.grad.clone()
+                bucket.views[j].zero_()
+            elif j in unused and p.grad is None:
+                bucket.views[j].zero_()  # and the gradient stays None unless some rank used it
+            else:
+                bucket.adopt(j)  # its hook did, unless the gradient was set since
+                if j in unused:  # kept as it is if no rank used it
+                    bucket.saved_grads[j] = bucket.views[j].clone()
 
     def _used_here(self, p):
         return p.requires_grad and (id(p) in self._arrived or id(p) in self._used or
@@ -396,6 +453,18 @@ class DataParallel(torch.nn.Module):
     def _write_back(self, bucket, unused_everywhere):
         """The averages into the gradients, but for parameters frozen since wrapping and those no rank
         used, which keep the gradient they have (None stays None) and their residual."""
+        if bucket.views is not None:
+            for j, p in enumerate(bucket.params):
+                if not p.requires_grad:
+                    continue
+                if j in unused_everywhere:
+                    if j in bucket.saved_grads:
+                        bucket.views[j].copy_(bucket.saved_grads[j])
+                    if j in bucket.saved_residuals:
+                        bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])
+                elif not bucket.holds(j):
+                    p.grad = bucket.views[j]
+            return
         run = []  # consecutive parameters written by one unflatten
 
         def flush(end):

@@ -60,9 +60,10 @@ def digest(t):
 
 def wrap(model, mode, **ddp_options):
     kind, _, detail = mode.partition(":")
-    if kind == "dp":
+    if kind in ("dp", "dpv"):  # dpv: gradients as bucket views
         codec, _, ef = detail.partition("+")
-        return gradsync.DataParallel(model, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef))
+        return gradsync.DataParallel(model, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef),
+                                     gradient_as_bucket_view=kind == "dpv")
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, **ddp_options)
     if kind == "hook":
         state, hook = {
@@ -107,7 +108,7 @@ def relative(a, b):
 
 
 def test_codec_none_trains_like_ddp_and_ranks_agree_bitwise(worlds):
-    modes = ["ddp", "hook:none", "dp:none"]
+    modes = ["ddp", "hook:none", "dp:none", "dpv:none"]
     results = worlds(3).run(train_modes, modes, 20)
     check_ranks_agree(results)
     reference = results[0]["ddp"][1]
@@ -148,7 +149,7 @@ def accumulate(rank, size, mode, micro):
     return relative(models[0], models[1])
 
 
-@pytest.mark.parametrize("mode", ["hook:none", "dp:none", "hook:fp16"])
+@pytest.mark.parametrize("mode", ["hook:none", "dp:none", "dpv:none", "hook:fp16"])
 def test_no_sync_accumulation_equals_one_large_batch_step(worlds, mode):
     tolerance = 1e-6 if mode.endswith("none") else 1e-4
     assert max(worlds(2).run(accumulate, mode, 3)) < tolerance
@@ -209,10 +210,11 @@ def unused_like_ddp(rank, size, modes):
         if mode == "ddp":
             model = DDP(net, bucket_cap_mb=UNUSED_BUCKET_MB, find_unused_parameters=True)
         else:
-            find, _, codec = mode.rpartition(":")  # "find:..." walks the forward's graph for unused parameters
+            # "find:..." walks the forward's graph for unused parameters, "view:..." makes gradients bucket views
+            how, _, codec = mode.rpartition(":")
             codec, _, ef = codec.partition("+")
             model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef),
-                                          find_unused_parameters=bool(find))
+                                          find_unused_parameters=how == "find", gradient_as_bucket_view=how == "view")
             # unused parameters in several buckets, so that their flags are read at several offsets
             buckets = {id(model._bucket_of[p]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
             assert len(buckets) >= 2
@@ -243,7 +245,7 @@ def extra_residual(model, net):
 UNUSED_BUCKET_MB = 0.001  # 262 fp32 values: two buckets
 
 UNUSED_MODES = {"none": 1e-6, "fp16": 5e-3, "bf16": 2e-2, "fp8_e5m2": 0.25, "fp8_e4m3+ef": 0.1,
-                "find:none": 1e-6, "find:fp8_e4m3+ef": 0.1}
+                "find:none": 1e-6, "find:fp8_e4m3+ef": 0.1, "view:none": 1e-6, "view:fp8_e4m3+ef": 0.1}
 
 
 def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
@@ -265,6 +267,8 @@ def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
     ddp = results[0]["ddp"]  # what was compared
     assert ddp[0][extra] is not None and ddp[1][extra] is None and ddp[2][extra] is not None
     assert torch.equal(ddp[3][extra], ddp[2][extra])
+    for mode in UNUSED_MODES:  # kept bitwise, not sent through the codec again
+        assert all(torch.equal(r[mode][3][extra], r[mode][2][extra]) for r in results), mode
     assert all(step[never] is None and step[unused_many] is None for step in ddp)
     # used inside no_sync() by rank 2 only, then set to None: the same on every rank (zeros, but for
     # what error feedback pays back), not None on some
@@ -314,6 +318,54 @@ def test_data_parallel_raises_for_a_parameter_found_unused_that_gets_a_gradient(
     results = worlds(2).run(gradient_after_its_bucket)
     assert all("'spare.weight'" in message and "find_unused_parameters" in message for message, _ in results)
     assert results[0][1] == results[1][1]
+
+
+class Mixed(torch.nn.Module):
+    """fp32 layers and a bf16 head: the first bucket (head, mid) mixes dtypes, the last (body) is fp32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.mid = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 1).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.body(x)))).bfloat16()).float()
+
+
+def views_like_copies(rank, size):
+    """Per way of keeping gradients, each step's gradients and which of them were bucket views."""
+    out = {}
+    for views in (False, True):
+        net = Mixed()
+        model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB, error_feedback=True,
+                                      gradient_as_bucket_view=views)
+        assert [len(b) for b in model.buckets] == [4, 2]
+        steps = []
+        for step in range(4):
+            model.zero_grad(set_to_none=step == 0)
+            x, y = batch(rank, step)
+            if step == 1:  # one micro-batch accumulated without communication first
+                with model.no_sync():
+                    F.mse_loss(model(x[:8]), y[:8]).backward()
+            net.body.bias.requires_grad_(step != 2)  # frozen after wrapping: its gradient is not written
+            F.mse_loss(model(x), y).backward()
+            buffers = {model._bucket_of[p].buffer.untyped_storage().data_ptr() for p in net.parameters()}
+            steps.append(([p.grad.clone() for p in net.parameters()],
+                          [p.grad.untyped_storage().data_ptr() in buffers for p in net.parameters()]))
+        out[views] = steps
+    return out
+
+
+def test_gradients_as_bucket_views_average_as_copies_do(worlds):
+    results = worlds(2).run(views_like_copies)
+    for result in results:
+        for step, ((copies, in_copy_buckets), (views, in_buckets)) in enumerate(zip(result[False], result[True])):
+            assert all(torch.equal(a, b) for a, b in zip(copies, views)), f"step {step + 1}"
+            assert not any(in_copy_buckets)
+            # body (the fp32 bucket) as views, but its bias in the step it was frozen; mid and head copied
+            assert in_buckets == [True, step != 2, False, False, False, False], f"step {step + 1}"
+    assert all(torch.equal(a, b) for a, b in zip(results[0][True][-1][0], results[1][True][-1][0]))
 
 
 def wrap_again(rank, size):
