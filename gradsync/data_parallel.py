@@ -7,6 +7,7 @@ gradients are written back before ``backward()`` returns.
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 from typing import Optional
 
@@ -38,7 +39,7 @@ class _Bucket:
         self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
         # gradient_as_bucket_view: the fp32 gradients live in the buffer (no copy in, none out)
-        self.views = [self.segment(j, self.buffer).view_as(p) for j, p in enumerate(params)] \
+        self.views = [self._view(j) for j in range(len(params))] \
             if as_views and all(p.dtype == torch.float32 for p in params) else None
         self.saved_grads = {}  # index -> the gradient of a parameter this rank did not use, before the call
         self.ready = 0
@@ -51,12 +52,22 @@ class _Bucket:
     def segment(self, j, of):
         return of[self.offsets[j]:self.offsets[j + 1]]
 
+    def _view(self, j):
+        """Parameter j's segment of the buffer in the parameter's own layout where its elements are
+        dense (channels_last, say), so that fused optimizers find the layouts they expect."""
+        p, segment = self.params[j], self.segment(j, self.buffer)
+        dense, expected = True, 1
+        for stride, size in sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz != 1):
+            dense, expected = dense and stride == expected, expected * size
+        return segment.as_strided(p.shape, p.stride()) if dense and p.numel() else segment.view_as(p)
+
     def holds(self, j):
         """Whether parameter j's gradient is its view of the buffer."""
         grad = self.params[j].grad
         return grad is not None and grad.data_ptr() == self.views[j].data_ptr() and grad.stride() == \
             self.views[j].stride()
 
+    @torch.no_grad()  # a backward with create_graph=True must not attach the buffer to its graph
     def adopt(self, j):
         """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
         if not self.holds(j):
@@ -143,10 +154,11 @@ class DataParallel(torch.nn.Module):
     - ``gradient_as_bucket_view``: as DDP's, the ``.grad`` of each float32 parameter becomes a view
       of its bucket, so that gradients take no memory beside the buckets and are neither copied
       into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,
-      is copied in once as it arrives). Buckets that hold a float16 or bfloat16 parameter keep the
-      copies. Gradients are then written while their bucket's call runs: after a backward that
-      raised, run the next forward, which waits for the step's calls, before touching them; the
-      buckets that had gone out hold that step's averages.
+      is copied in once as it arrives), in the parameter's own layout where its elements are dense
+      (channels_last). Buckets that hold a float16 or bfloat16 parameter keep the copies. Every
+      rank must pass the same. Gradients are then written while their bucket's call runs: after a
+      backward that raised, the next forward waits for that step's calls and zeroes the gradients
+      of the buckets that had gone out (their calls wrote into them, and so may the caller have).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros (or the
@@ -162,7 +174,10 @@ class DataParallel(torch.nn.Module):
       overlaps backward in steps that leave parameters unused (branches, experts); the walk
       costs a pass over the graph per forward. A parameter the walk missed that gets a gradient
       after its bucket went out (used outside the forward, or inside a reentrant checkpoint)
-      raises, as under DDP. A parameter frozen after wrapping (``requires_grad=False``)
+      raises, as under DDP (where that happens on some ranks only, the others fail at the group's
+      timeout, waiting for buckets that rank no longer sends). An output the walk cannot look into
+      (it follows tensors, lists, tuples, dicts and dataclasses) reaches no parameter: that step
+      waits for every one, with a warning. A parameter frozen after wrapping (``requires_grad=False``)
       contributes zeros, is never written and does not hold back its bucket. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises.
@@ -246,6 +261,8 @@ class DataParallel(torch.nn.Module):
         self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
         self._abandoned = set()  # ... or in a step abandoned since: used if its gradient is still there
         self._reached = None  # with find_unused_parameters: the leaves this step's forwards reach, else None
+        self._walk_failed = False  # a forward of this step whose output the walk could not look into
+        self._warned_walk = False
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
@@ -293,14 +310,27 @@ class DataParallel(torch.nn.Module):
                 self._broadcast(buffers)
         output = self.module(*args, **kwargs)
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
-            self._reached = _reached_leaves(output) | (self._reached or set())
+            reached = _reached_leaves(output)
+            if not reached & self._param_ids:  # an output the walk cannot look into: wait for every parameter
+                self._walk_failed = True
+                if not self._warned_walk:
+                    self._warned_walk = True
+                    warnings.warn(f"gradsync.DataParallel(find_unused_parameters=True): the forward's output "
+                                  f"({type(output).__name__}) holds no tensor whose graph reaches a parameter "
+                                  "through tensors, lists, tuples, dicts and dataclasses; in such steps buckets "
+                                  "wait for every parameter", stacklevel=2)
+            self._reached = None if self._walk_failed else reached | (self._reached or set())
         return output
 
     def _check_parameters(self):
         params = list(self.module.parameters())
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
                 all(p in self._bucket_of for p in params if p.requires_grad):
-            return
+            if all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
+                return
+            raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
+                               "(gradient_as_bucket_view=True) changed its dtype after wrapping; cast the module "
+                               "first, then wrap it")
         raise RuntimeError("gradsync.DataParallel: the module's parameters were moved to another device, replaced "
                            "or unfrozen after it was wrapped, and gradsync would not average them; move the module, "
                            f"load its weights and choose its trainable parameters first, then wrap it (buckets on "
@@ -344,7 +374,8 @@ class DataParallel(torch.nn.Module):
                 raise RuntimeError(
                     f"gradsync.DataParallel: parameter {self._name(param)!r} received its gradient after its bucket "
                     "was all-reduced without it: find_unused_parameters=True found it unreachable from the forward's "
-                    "output (it is used outside the wrapped forward, or inside a reentrant activation checkpoint). "
+                    "output (it is used outside the wrapped forward or inside a reentrant activation checkpoint, or "
+                    "the output holds it in a type other than tensors, lists, tuples, dicts and dataclasses). "
                     "Use it inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
                     "find_unused_parameters=False")
             bucket.expected += 1  # its bucket waits for it after all
@@ -362,11 +393,16 @@ class DataParallel(torch.nn.Module):
         """A step that did not reach its end: its calls finish before its buffers are reused. What it
         accumulated counts as used at the next synchronized step, unless its gradient was set to None
         since (the batch skipped). The residuals of its calls are not restored: error feedback drops
-        that step's old error."""
+        that step's old error. Gradients that are views of a bucket whose call ran are zeroed: the
+        call wrote into them, while the backward or the caller may have written too."""
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):
                     bucket.work.wait()
+                if bucket.views is not None:
+                    with torch.no_grad():
+                        bucket.buffer.zero_()
+                    self._arrived -= {id(p) for p in bucket.params}
         self._abandoned |= self._arrived
         self._reset()
 
@@ -378,6 +414,7 @@ class DataParallel(torch.nn.Module):
         self._next = 0
         self._arrived.clear()
         self._reached = None
+        self._walk_failed = False
         self._in_backward = False
 
     def _issue(self, force):
@@ -402,6 +439,7 @@ class DataParallel(torch.nn.Module):
             self._next += 1
 
     @staticmethod
+    @torch.no_grad()
     def _fill_views(bucket):
         """The buffer of a bucket whose gradients are its views, as the flatten would fill another."""
         unused = set(bucket.unused)
@@ -450,6 +488,7 @@ class DataParallel(torch.nn.Module):
         self._abandoned.clear()
         self._reset()
 
+    @torch.no_grad()
     def _write_back(self, bucket, unused_everywhere):
         """The averages into the gradients, but for parameters frozen since wrapping and those no rank
         used, which keep the gradient they have (None stays None) and their residual."""

@@ -210,11 +210,11 @@ def unused_like_ddp(rank, size, modes):
         if mode == "ddp":
             model = DDP(net, bucket_cap_mb=UNUSED_BUCKET_MB, find_unused_parameters=True)
         else:
-            # "find:..." walks the forward's graph for unused parameters, "view:..." makes gradients bucket views
+            # "find" walks the forward's graph for unused parameters, "view" makes gradients bucket views
             how, _, codec = mode.rpartition(":")
             codec, _, ef = codec.partition("+")
             model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef),
-                                          find_unused_parameters=how == "find", gradient_as_bucket_view=how == "view")
+                                          find_unused_parameters="find" in how, gradient_as_bucket_view="view" in how)
             # unused parameters in several buckets, so that their flags are read at several offsets
             buckets = {id(model._bucket_of[p]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
             assert len(buckets) >= 2
@@ -245,7 +245,8 @@ def extra_residual(model, net):
 UNUSED_BUCKET_MB = 0.001  # 262 fp32 values: two buckets
 
 UNUSED_MODES = {"none": 1e-6, "fp16": 5e-3, "bf16": 2e-2, "fp8_e5m2": 0.25, "fp8_e4m3+ef": 0.1,
-                "find:none": 1e-6, "find:fp8_e4m3+ef": 0.1, "view:none": 1e-6, "view:fp8_e4m3+ef": 0.1}
+                "find:none": 1e-6, "find:fp8_e4m3+ef": 0.1, "view:none": 1e-6, "view:fp8_e4m3+ef": 0.1,
+                "find,view:fp16": 5e-3}
 
 
 def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
@@ -355,6 +356,82 @@ def views_like_copies(rank, size):
                           [p.grad.untyped_storage().data_ptr() in buffers for p in net.parameters()]))
         out[views] = steps
     return out
+
+
+class Convolutional(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = torch.nn.Conv2d(3, 8, 3), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).mean((2, 3)))
+
+
+class Opaque:
+    """An output the graph walk cannot look into."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class OpaqueOutput(Net):
+    def forward(self, x):
+        return Opaque(self.body(x))
+
+
+def views_at_the_edges(rank, size):
+    out = {}
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(rank)).to(memory_format=torch.channels_last)
+    for views in (False, True):  # channels_last: views in the parameter's layout, the same averages
+        net = Convolutional().to(memory_format=torch.channels_last)
+        model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=views)
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+        out[f"channels_last {views}"] = [p.grad.clone() for p in net.parameters()]
+        out[f"layouts {views}"] = [p.grad.stride() == p.stride() for p in net.parameters()]
+
+    model = gradsync.DataParallel(make_net(), codec="none", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+    x, y = batch(rank, 0)
+    torch.autograd.backward(F.mse_loss(model(x), y), create_graph=True)  # the buckets stay out of the graph
+    out["create_graph"] = (not any(b.buffer.requires_grad for b in model._buckets),
+                           all(p.grad.grad_fn is None for p in model.parameters()))
+    model.zero_grad(set_to_none=False)
+
+    segments = Segments(False)  # a backward that raises once the buckets of layers 3 to 1 went out
+    model = gradsync.DataParallel(segments, codec="none", bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    assert len(model.buckets) == 4
+    model(x)["loss"].backward()
+    segments.fail = True
+    with pytest.raises(RuntimeError, match="backward failed"):
+        model(x)["loss"].backward()
+    went_out = [b.work is not None for b in model._buckets]
+    segments.fail = False
+    loss = model(x)["loss"]  # waits for their calls, and zeroes their gradients; layer 0 keeps its own
+    out["abandoned"] = (went_out == [True, True, True, False],
+                        [any(p.grad.any() for p in b.params) for b in model._buckets] == [False, False, False, True])
+    loss.backward()
+    out["after"] = digest(torch.cat([p.grad.flatten() for p in segments.parameters()]))
+    model.module.half()
+    with pytest.raises(RuntimeError, match="changed its dtype after wrapping"):
+        model(x.half())
+
+    model = gradsync.DataParallel(OpaqueOutput(), codec="none", bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    with pytest.warns(UserWarning, match=r"output \(Opaque\) holds no tensor"):
+        F.mse_loss(model(x).value, y).backward()  # every bucket waits, as without the walk
+    out["opaque"] = digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
+    return out
+
+
+def test_gradients_as_bucket_views_at_the_edges(worlds):
+    results = worlds(2).run(views_at_the_edges)
+    for out in results:
+        assert all(torch.equal(a, b) for a, b in zip(out["channels_last False"], out["channels_last True"]))
+        assert all(out["layouts True"]) and out["layouts False"] == out["layouts True"]
+        assert out["create_graph"] == (True, True)
+        assert out["abandoned"] == (True, True)
+    assert results[0]["after"] == results[1]["after"] and results[0]["opaque"] == results[1]["opaque"]
 
 
 def test_gradients_as_bucket_views_average_as_copies_do(worlds):
