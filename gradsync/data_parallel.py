@@ -90,6 +90,22 @@ class _Bucket:
         flags.copy_(self.mask[1])
 
 
+def _members(module):
+    """The module's parameters and buffers, as parameters() and buffers() list them (each once, in
+    the same order), in one walk over the submodules: this runs before every forward."""
+    params, buffers, seen, stack = [], [], set(), [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        params += m._parameters.values()
+        buffers += m._buffers.values()
+        stack += reversed([c for c in m._modules.values() if c is not None])
+    return ([p for p in dict.fromkeys(params) if p is not None],
+            [b for b in dict.fromkeys(buffers) if b is not None])
+
+
 def _tensors_in(obj):
     """The tensors in a forward's output, through lists, tuples, dicts and dataclasses (as DDP looks)."""
     if isinstance(obj, torch.Tensor):
@@ -304,10 +320,8 @@ class DataParallel(torch.nn.Module):
             self._abandon_step()  # the last backward raised before its end
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
-        if self.broadcast_buffers and self.training and torch.is_grad_enabled():
-            buffers = list(self.module.buffers())
-            if buffers:
-                self._broadcast(buffers)
+        if self.broadcast_buffers and self.training and torch.is_grad_enabled() and self._buffers_seen:
+            self._broadcast(self._buffers_seen)
         output = self.module(*args, **kwargs)
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
@@ -323,7 +337,7 @@ class DataParallel(torch.nn.Module):
         return output
 
     def _check_parameters(self):
-        params = list(self.module.parameters())
+        params, self._buffers_seen = _members(self.module)
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
                 all(p in self._bucket_of for p in params if p.requires_grad):
             if all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):

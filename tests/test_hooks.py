@@ -488,6 +488,39 @@ def test_gradients_as_bucket_views_average_as_copies_do(worlds):
     assert all(torch.equal(a, b) for a, b in zip(results[0][True][-1][0], results[1][True][-1][0]))
 
 
+def buffer_broadcasts(rank, size):
+    """Each rank's buffers, as set per rank, after: wrapping; an eval forward; a training forward
+    (BatchNorm with momentum 0 leaves its running statistics as they are), with and without
+    broadcast_buffers. Each rank also counts its own batches (int64)."""
+    out = {}
+    for broadcast in (True, False):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3, momentum=0.0))
+        bn = net[1]
+        bn.running_var.fill_(1.0 + rank)
+        model = gradsync.DataParallel(net, codec="none", broadcast_buffers=broadcast)
+        out[broadcast] = [bn.running_var.tolist()]
+        bn.running_mean.fill_(float(rank))
+        bn.num_batches_tracked.fill_(10 * rank)
+        model.eval()
+        model(torch.randn(8, 4))
+        out[broadcast].append((bn.running_mean.tolist(), int(bn.num_batches_tracked)))
+        model.train()
+        model(torch.randn(8, 4))  # broadcast first, then counted here
+        out[broadcast].append((bn.running_mean.tolist(), int(bn.num_batches_tracked)))
+    return out
+
+
+def test_data_parallel_broadcasts_buffers_at_wrapping_and_before_training_forwards(worlds):
+    results = worlds(2).run(buffer_broadcasts)
+    for rank, out in enumerate(results):
+        for broadcast in (True, False):
+            assert out[broadcast][0] == [1.0] * 3  # rank 0's, at wrapping
+            assert out[broadcast][1] == ([float(rank)] * 3, 10 * rank)  # no broadcast before an eval forward
+        assert out[True][2] == ([0.0] * 3, 1)
+        assert out[False][2] == ([float(rank)] * 3, 10 * rank + 1)
+
+
 def wrap_again(rank, size):
     net = make_net()
     model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB)
