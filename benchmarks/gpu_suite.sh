@@ -23,7 +23,8 @@ export GRADSYNC_CUDA=${GRADSYNC_CUDA:-1}  # no silent CPU-only build when the to
 started=$SECONDS
 status=0
 
-{ date -u; nvidia-smi; which nvcc; nvcc --version; echo "CUDA_HOME=${CUDA_HOME:-}"; $python --version
+{ date -u; nvidia-smi; nvidia-smi --query-gpu=compute_mode,mig.mode.current --format=csv  # ranks share the GPU
+  which nvcc; nvcc --version; echo "CUDA_HOME=${CUDA_HOME:-}"; $python --version
   $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
   $python -c "import glob, nvidia.nccl as m; d = list(m.__path__)[0]  # a namespace package: no __file__
 print('nvidia-nccl:', glob.glob(d + '/include/nccl.h'), glob.glob(d + '/lib/libnccl.so*'))"
