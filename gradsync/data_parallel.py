@@ -254,6 +254,7 @@ class DataParallel(torch.nn.Module):
         self._param_ids = {id(p) for p in module.parameters()}
         self._sync = True  # False inside no_sync()
         self._forward_synced = True  # what the last forward found: its backward communicates
+        self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
 
