@@ -78,7 +78,7 @@ def main():
     if child.returncode != 0:
         sys.exit(f"# the blocking run failed:\n{child.stderr[-2000:]}")
     # the rows are the last line that is a JSON list: NCCL's own warnings may follow on stdout
-    lists = [line for line in child.stdout.splitlines() if line.startswith("[")]
+    lists = [line for line in child.stdout.splitlines() if line.startswith("[{")]
     if not lists:
         sys.exit(f"# the blocking run printed no rows:\n{child.stdout[-2000:]}")
     blocking = json.loads(lists[-1])

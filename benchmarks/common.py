@@ -3,6 +3,7 @@
 Each benchmark supplies cases and ops; this module owns how they are timed and reported.
 """
 import json
+import os
 import platform
 import statistics
 import time
@@ -108,9 +109,11 @@ KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "c
 
 
 def write_json(path, title, rows, meta):
-    with open(path, "w") as f:
+    """Writes whole or not at all: a run stopped while writing leaves the last complete file."""
+    with open(f"{path}.partial", "w") as f:
         json.dump({"title": title, "meta": meta, "rows": [r if isinstance(r, dict) else asdict(r) for r in rows]}, f,
                   indent=1)
+    os.replace(f"{path}.partial", path)
 
 
 def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op", xlabel=None, ylabel=None):

@@ -4,9 +4,11 @@
 # all-reduce over the NCCL transport and the cost of one ring hop over NCCL, and writes
 # logs and JSON into OUTDIR, with the cost model's projections from those measurements. Target:
 # about 6 minutes on one H200 (the build included), so that a second run still fits a 15-minute
-# lease. The CPU tests are left to CI.
+# lease; every step has a time limit, together 485 s beside the build, so that one run stays within a
+# 10-minute command. The CPU tests are left to CI.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
+#   benchmarks/gpu_suite.sh /tmp/suite; tar czf RESULTS.tgz -C /tmp suite   # its dozen files as one
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
 mkdir -p "$out"
@@ -45,29 +47,29 @@ $python -m gradsync.report | tee "$out/report.txt"
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 $python -c "import pytest, hypothesis, numpy" 2>&1 | tee "$out/tests_cuda.log" || status=1
 # the join-timeout test waits out an NCCL bootstrap by design: on its own, so that it cannot crowd out the others
-timeout -s INT -k 15 200 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider \
+timeout -s INT -k 15 160 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider \
   --deselect tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins 2>&1 | tee -a "$out/tests_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout -s INT -k 15 100 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
+timeout -s INT -k 10 60 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
   -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernel benchmarks [$((SECONDS - started))s]"
-timeout -s INT -k 10 150 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
+timeout -s INT -k 10 110 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
   --plot "$out/bench_kernels_cuda.png" 2>&1 | tee "$out/bench_kernels_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]"
-timeout -s INT -k 10 90 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
+timeout -s INT -k 10 80 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
   --max-bytes 256M --json "$out/bench_allreduce_cuda_1rank.json" 2>&1 | tee "$out/bench_allreduce_cuda_1rank.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== one ring hop over NCCL: host cost and latency, non-blocking vs blocking communicator [$((SECONDS - started))s]"
-timeout -s INT -k 10 60 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
+timeout -s INT -k 10 45 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee "$out/bench_nccl_hop.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== the cost model's projections with the measured kernels and hop [$((SECONDS - started))s]"
-timeout 60 $python -m gradsync.model --gpu-kernels "$out/bench_kernels_cuda.json" --nccl-hop "$out/bench_nccl_hop.json" \
+timeout 30 $python -m gradsync.model --gpu-kernels "$out/bench_kernels_cuda.json" --nccl-hop "$out/bench_nccl_hop.json" \
   > "$out/model_projections.txt" 2>&1 || status=1
 head -30 "$out/model_projections.txt"
 

@@ -38,12 +38,15 @@ class _Bucket:
         self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
         self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
-        # gradient_as_bucket_view: the fp32 gradients live in the buffer (no copy in, none out)
+        # gradient_as_bucket_view: the fp32 gradients live in the buffer (copied in only when autograd
+        # made one afresh; never copied out)
         self.views = [self._view(j) for j in range(len(params))] \
             if as_views and all(p.dtype == torch.float32 for p in params) else None
+        self.view_at = [self.segment(j, self.buffer).data_ptr() for j in range(len(params))]
         self.saved_grads = {}  # index -> the gradient of a parameter this rank did not use, before the call
         self.ready = 0
         self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
+        # that the forward reached
         self.work = None
         self.unused = []  # indices of the parameters this rank had not used when the bucket went out
         self.mask = None  # (unused, the flags for it on the device): the last mask, reused while it holds
@@ -61,22 +64,28 @@ class _Bucket:
             dense, expected = dense and stride == expected, expected * size
         return segment.as_strided(p.shape, p.stride()) if dense and p.numel() else segment.view_as(p)
 
+    def view(self, j):
+        """Parameter j's view of the buffer, made again if something rebound the last one's data
+        (``module.to(...)`` sets ``grad.data`` on the gradient that was the view)."""
+        if self.views[j].data_ptr() != self.view_at[j]:
+            self.views[j] = self._view(j)
+        return self.views[j]
+
     def holds(self, j):
         """Whether parameter j's gradient is its view of the buffer."""
         grad = self.params[j].grad
-        return grad is not None and grad.data_ptr() == self.views[j].data_ptr() and grad.stride() == \
-            self.views[j].stride()
+        return grad is not None and grad.data_ptr() == self.view_at[j] and grad.stride() == self.view(j).stride()
 
     @torch.no_grad()  # a backward with create_graph=True must not attach the buffer to its graph
     def adopt(self, j):
         """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
         if not self.holds(j):
-            grad = self.params[j].grad
+            grad, view = self.params[j].grad, self.view(j)
             if grad is None:
-                self.views[j].zero_()
+                view.zero_()
             else:
-                self.views[j].copy_(grad)
-            self.params[j].grad = self.views[j]
+                view.copy_(grad)
+            self.params[j].grad = view
 
     def set_flags(self, unused):
         flags = self.buffer[self.flags_at:]
@@ -172,29 +181,32 @@ class DataParallel(torch.nn.Module):
       into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,
       is copied in once as it arrives), in the parameter's own layout where its elements are dense
       (channels_last). Buckets that hold a float16 or bfloat16 parameter keep the copies. Every
-      rank must pass the same. Gradients are then written while their bucket's call runs: after a
-      backward that raised, the next forward waits for that step's calls and zeroes the gradients
-      of the buckets that had gone out (their calls wrote into them, and so may the caller have).
+      rank must pass the same (the two ways order a channels_last gradient's elements
+      differently). Gradients are then written while their bucket's call runs: after a backward
+      that raised, the next forward waits for that step's calls and zeroes the gradients of the
+      buckets that had gone out (their calls wrote into them, and so may the caller have).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros (or the
       gradient it holds from before); after the step it holds the average over the ranks if any
       rank produced a gradient for it since the last synchronized step (``no_sync()`` included),
       and is left untouched (None stays None, and its error-feedback residual is kept) if none
-      did, as with DDP's ``find_unused_parameters=True``, which gradsync needs no flag for: each
-      bucket carries a used flag per parameter, so this costs no extra communication. Left at
+      did, as with DDP's ``find_unused_parameters=True`` (here with or without the option of that
+      name, which changes only when buckets go out): each bucket carries a used flag per
+      parameter, so this costs no extra communication. Left at
       that, a bucket holding a parameter this rank does not use goes out at the end of backward
       (and the buckets after it with it). ``find_unused_parameters=True`` makes each
       synchronized forward walk the autograd graph of its output, as DDP does, so that a
       parameter the graph does not reach no longer holds its bucket back, and communication
       overlaps backward in steps that leave parameters unused (branches, experts); the walk
       costs a pass over the graph per forward. A parameter the walk missed that gets a gradient
-      after its bucket went out (used outside the forward, or inside a reentrant checkpoint)
-      raises, as under DDP (where that happens on some ranks only, the others fail at the group's
-      timeout, waiting for buckets that rank no longer sends). An output the walk cannot look into
-      (it follows tensors, lists, tuples, dicts and dataclasses) reaches no parameter: that step
-      waits for every one, with a warning. A parameter frozen after wrapping (``requires_grad=False``)
-      contributes zeros, is never written and does not hold back its bucket. Wrap the model once
+      all the same (used outside the forward, or inside a reentrant checkpoint) raises, as under
+      DDP (where that happens on some ranks only, the others fail at the group's timeout, waiting
+      for buckets that rank no longer sends). An output the walk cannot look into (it follows
+      tensors, lists, tuples, dicts and dataclasses) reaches no trainable parameter: such a step
+      waits for every one (the first time with a warning). A parameter frozen after wrapping
+      (``requires_grad=False``) contributes zeros, is never written and does not hold back its
+      bucket. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
@@ -252,6 +264,10 @@ class DataParallel(torch.nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = params[0].device
         self._param_ids = {id(p) for p in module.parameters()}
+        self._trainable_ids = {id(p) for p in params}
+        # the fast walk, unless the module's class lists its parameters or buffers its own way
+        self._walk_members = [[id(t) for t in ts] for ts in _members(module)] == \
+            [[id(p) for p in module.parameters()], [id(b) for b in module.buffers()]]
         self._sync = True  # False inside no_sync()
         self._forward_synced = True  # what the last forward found: its backward communicates
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
@@ -326,19 +342,20 @@ class DataParallel(torch.nn.Module):
         output = self.module(*args, **kwargs)
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
-            if not reached & self._param_ids:  # an output the walk cannot look into: wait for every parameter
+            if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one
                 self._walk_failed = True
                 if not self._warned_walk:
                     self._warned_walk = True
                     warnings.warn(f"gradsync.DataParallel(find_unused_parameters=True): the forward's output "
-                                  f"({type(output).__name__}) holds no tensor whose graph reaches a parameter "
-                                  "through tensors, lists, tuples, dicts and dataclasses; in such steps buckets "
-                                  "wait for every parameter", stacklevel=2)
+                                  f"({type(output).__name__}) reaches no trainable parameter (the walk follows "
+                                  "tensors, lists, tuples, dicts and dataclasses); in such steps buckets wait for "
+                                  "every parameter", stacklevel=4)
             self._reached = None if self._walk_failed else reached | (self._reached or set())
         return output
 
     def _check_parameters(self):
-        params, self._buffers_seen = _members(self.module)
+        params, self._buffers_seen = _members(self.module) if self._walk_members else \
+            (list(self.module.parameters()), list(self.module.buffers()))
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
                 all(p in self._bucket_of for p in params if p.requires_grad):
             if all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
@@ -384,16 +401,14 @@ class DataParallel(torch.nn.Module):
                     "several reentrant activation checkpoints, or inside one and outside it. Use "
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             return  # its bucket has not gone out: the flatten will read the whole sum
-        if not self._reaches(param):
-            if bucket.work is not None:
-                raise RuntimeError(
-                    f"gradsync.DataParallel: parameter {self._name(param)!r} received its gradient after its bucket "
-                    "was all-reduced without it: find_unused_parameters=True found it unreachable from the forward's "
-                    "output (it is used outside the wrapped forward or inside a reentrant activation checkpoint, or "
-                    "the output holds it in a type other than tensors, lists, tuples, dicts and dataclasses). "
-                    "Use it inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
-                    "find_unused_parameters=False")
-            bucket.expected += 1  # its bucket waits for it after all
+        if not self._reaches(param):  # raised whether or not its bucket went out: the same on every rank
+            raise RuntimeError(
+                f"gradsync.DataParallel: parameter {self._name(param)!r} received a gradient, but "
+                "find_unused_parameters=True found it unreachable from the forward's output, so its bucket does not "
+                "wait for it (it is used outside the wrapped forward or inside a reentrant activation checkpoint, or "
+                "the output holds it in a type other than tensors, lists, tuples, dicts and dataclasses). Use it "
+                "inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "find_unused_parameters=False")
         self._arrived.add(id(param))
         bucket.ready += 1
         self._issue(force=False)
@@ -462,13 +477,13 @@ class DataParallel(torch.nn.Module):
             if not p.requires_grad:  # frozen since wrapping: zeros go out, and its gradient stays as it is
                 if bucket.holds(j):
                     p.grad = p.grad.clone()
-                bucket.views[j].zero_()
+                bucket.view(j).zero_()
             elif j in unused and p.grad is None:
-                bucket.views[j].zero_()  # and the gradient stays None unless some rank used it
+                bucket.view(j).zero_()  # and the gradient stays None unless some rank used it
             else:
                 bucket.adopt(j)  # its hook did, unless the gradient was set since
                 if j in unused:  # kept as it is if no rank used it
-                    bucket.saved_grads[j] = bucket.views[j].clone()
+                    bucket.saved_grads[j] = bucket.view(j).clone()
 
     def _used_here(self, p):
         return p.requires_grad and (id(p) in self._arrived or id(p) in self._used or
@@ -513,11 +528,11 @@ class DataParallel(torch.nn.Module):
                     continue
                 if j in unused_everywhere:
                     if j in bucket.saved_grads:
-                        bucket.views[j].copy_(bucket.saved_grads[j])
+                        bucket.view(j).copy_(bucket.saved_grads[j])
                     if j in bucket.saved_residuals:
                         bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])
                 elif not bucket.holds(j):
-                    p.grad = bucket.views[j]
+                    p.grad = bucket.view(j)
             return
         run = []  # consecutive parameters written by one unflatten
 

@@ -2,6 +2,7 @@
 import contextlib
 import gc
 import hashlib
+import warnings
 import weakref
 
 import pytest
@@ -61,10 +62,10 @@ def digest(t):
 
 def wrap(model, mode, **ddp_options):
     kind, _, detail = mode.partition(":")
-    if kind in ("dp", "dpv"):  # dpv: gradients as bucket views
+    if kind in ("dp", "dpv", "dpf"):  # dpv: gradients as bucket views; dpf: finding unused parameters
         codec, _, ef = detail.partition("+")
         return gradsync.DataParallel(model, codec=codec, bucket_cap_mb=BUCKET_MB, error_feedback=bool(ef),
-                                     gradient_as_bucket_view=kind == "dpv")
+                                     gradient_as_bucket_view=kind == "dpv", find_unused_parameters=kind == "dpf")
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, **ddp_options)
     if kind == "hook":
         state, hook = {
@@ -149,7 +150,7 @@ def train_on(rank, size, device, modes, steps, unused=False):
 # buckets take the direct exchange (CUDA tensors take the ring; both round twice): 0 for "none", 7e-6
 # for fp16, 5e-5 for bf16, 2.5e-4 for fp8 with error feedback
 DEVICE_MODES = {"hook:none": 1e-6, "dp:none": 1e-6, "dpv:none": 1e-6, "hook:fp16": 1e-4, "hook:bf16": 1e-3,
-                "dp:fp16": 1e-4, "dpv:fp8_e4m3+ef": 5e-3, "hook:fp8+ef": 5e-3}
+                "dp:fp16": 1e-4, "dpf:fp16": 1e-4, "dpv:fp8_e4m3+ef": 5e-3, "hook:fp8+ef": 5e-3}
 
 
 @pytest.mark.parametrize("unused", [False, True], ids=["all_used", "one_layer_unused"])
@@ -349,21 +350,31 @@ def test_data_parallel_finding_unused_parameters_lets_their_bucket_go_out_during
     assert len({grads for r in results.values() for _, grads in r}) == 1  # the same averages
 
 
-def gradient_after_its_bucket(rank, size):
+def gradient_the_walk_missed(rank, size):
+    """The errors of two steps whose loss adds a penalty on `spare`, outside the forward: its gradient
+    comes last (the penalty built before the forward) or first (after it), with its bucket gone out
+    or not; then the gradients of a step that starts afresh."""
     model = gradsync.DataParallel(make_net(unused=True), codec="fp16", bucket_cap_mb=BUCKET_MB,
                                   find_unused_parameters=True)
     x, y = batch(rank, 0)
-    penalty = model.module.spare.weight.square().sum()  # outside the forward: the walk cannot see it
-    with pytest.raises(RuntimeError) as error:
-        (F.mse_loss(model(x), y) + penalty).backward()
+    errors = []
+    for before in (True, False):
+        model.zero_grad(set_to_none=True)
+        penalty = model.module.spare.weight.square().sum() if before else None
+        loss = F.mse_loss(model(x), y)
+        penalty = model.module.spare.weight.square().sum() if not before else penalty
+        with pytest.raises(RuntimeError) as error:
+            (loss + penalty).backward()
+        errors.append(str(error.value))
     model.zero_grad(set_to_none=True)
-    F.mse_loss(model(x), y).backward()  # the next step starts afresh
-    return str(error.value), digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
+    F.mse_loss(model(x), y).backward()
+    return errors, digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
 
 
-def test_data_parallel_raises_for_a_parameter_found_unused_that_gets_a_gradient(worlds):
-    results = worlds(2).run(gradient_after_its_bucket)
-    assert all("'spare.weight'" in message and "find_unused_parameters" in message for message, _ in results)
+def test_data_parallel_raises_for_a_parameter_the_walk_missed_that_gets_a_gradient(worlds):
+    results = worlds(2).run(gradient_the_walk_missed)
+    for errors, _ in results:
+        assert len(errors) == 2 and all("'spare.weight'" in e and "find_unused_parameters" in e for e in errors)
     assert results[0][1] == results[1][1]
 
 
@@ -463,8 +474,29 @@ def views_at_the_edges(rank, size):
     with pytest.raises(RuntimeError, match="changed its dtype after wrapping"):
         model(x.half())
 
+    x4 = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
+    for views in (False, True):  # module.to() after a step rebinds the data of the gradients, views included
+        net = Convolutional()
+        model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=views)
+        model(x4).square().mean().backward()
+        model.to(memory_format=torch.channels_last)
+        model.zero_grad(set_to_none=False)
+        model(x4).square().mean().backward()
+        out[f"rebound {views}"] = [p.grad.clone() for p in net.parameters()]
+        if views:
+            storage = model._buckets[0].buffer.untyped_storage().data_ptr()
+            out["rebound views"] = [p.grad.untyped_storage().data_ptr() == storage and p.grad.stride() == p.stride()
+                                    for p in net.parameters()]
+
+    class Reordered(Net):  # lists its parameters its own way: the per-forward check takes that list
+        def parameters(self, recurse=True):
+            return reversed(list(super().parameters(recurse)))
+    model = gradsync.DataParallel(Reordered(), codec="none", bucket_cap_mb=BUCKET_MB)
+    F.mse_loss(model(x), y).backward()
+    out["own parameters()"] = not model._walk_members
+
     model = gradsync.DataParallel(OpaqueOutput(), codec="none", bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
-    with pytest.warns(UserWarning, match=r"output \(Opaque\) holds no tensor"):
+    with pytest.warns(UserWarning, match=r"output \(Opaque\) reaches no trainable parameter"):
         F.mse_loss(model(x).value, y).backward()  # every bucket waits, as without the walk
     out["opaque"] = digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
     return out
@@ -477,6 +509,8 @@ def test_gradients_as_bucket_views_at_the_edges(worlds):
         assert all(out["layouts True"]) and out["layouts False"] == out["layouts True"]
         assert out["create_graph"] == (True, True)
         assert out["abandoned"] == (True, True)
+        assert all(torch.equal(a, b) for a, b in zip(out["rebound False"], out["rebound True"]))
+        assert all(out["rebound views"]) and out["own parameters()"]
     assert results[0]["after"] == results[1]["after"] and results[0]["opaque"] == results[1]["opaque"]
 
 
@@ -755,7 +789,9 @@ def compiled_steps(rank, size):
         for step in range(3):
             model.zero_grad(set_to_none=True)
             x, y = batch(rank, step)
-            F.mse_loss(model(x), y).backward()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="gradsync")  # a walk that reached nothing warns
+                F.mse_loss(model(x), y).backward()
         assert net.spare.weight.grad is None
         grads[compiled] = torch.cat([p.grad.flatten() for p in net.body.parameters()])
     return relative(grads[True], grads[False]), digest(grads[True])
