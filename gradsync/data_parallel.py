@@ -40,13 +40,13 @@ class _Bucket:
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
         # gradient_as_bucket_view: the fp32 gradients live in the buffer (copied in only when autograd
         # made one afresh; never copied out)
-        self.views = [self._view(j) for j in range(len(params))] \
-            if as_views and all(p.dtype == torch.float32 for p in params) else None
-        self.view_at = [self.segment(j, self.buffer).data_ptr() for j in range(len(params))]
+        self.views, self.view_at = None, None
+        if as_views and all(p.dtype == torch.float32 for p in params):
+            self.views = [self._view(j) for j in range(len(params))]
+            self.view_at = [v.data_ptr() for v in self.views]  # where each view must point
         self.saved_grads = {}  # index -> the gradient of a parameter this rank did not use, before the call
         self.ready = 0
-        self.expected = len(params)  # gradients that make it ready in this step: its trainable parameters
-        # that the forward reached
+        self.expected = len(params)  # gradients that make it ready in this step: trainable and reached
         self.work = None
         self.unused = []  # indices of the parameters this rank had not used when the bucket went out
         self.mask = None  # (unused, the flags for it on the device): the last mask, reused while it holds
