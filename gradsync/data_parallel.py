@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .distributed import _check_flag, _resolve_group, all_reduce
+from .distributed import _check_flag, _issue, _resolve_group
 from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _check_codec, flatten, unflatten
 
 __all__ = ["DataParallel"]
@@ -151,6 +152,51 @@ def _reached_leaves(output):
     return reached
 
 
+class _Announcement:
+    """What a forward under join() tells the ranks that have joined, read once it has arrived."""
+
+    def __init__(self, work, flags, group):
+        self._work, self._flags, self._group, self._values = work, flags, group, None
+
+    def _read(self):
+        if self._values is None:
+            self._work.wait()
+            self._values = self._flags.tolist()
+            self._work = self._flags = None
+        return self._values
+
+    @property
+    def synchronizes(self):
+        return self._read()[0] > 0
+
+    @property
+    def broadcasts(self):
+        return self._read()[1] > 0
+
+    @property
+    def active(self):
+        """The group ranks still training."""
+        return [r for r, flag in enumerate(self._read()[2:]) if flag > 0]
+
+    @property
+    def source(self):
+        """Where buffers come from: the highest rank still training (rank 0 may have joined)."""
+        return dist.get_global_rank(self._group, max(self.active))
+
+
+class _JoinHook(JoinHook):
+    def __init__(self, wrapper, divide_by_initial_world_size):
+        wrapper._divide_by_initial_world_size = _check_flag(divide_by_initial_world_size,
+                                                            "divide_by_initial_world_size")
+        self.wrapper = wrapper
+
+    def main_hook(self):
+        self.wrapper._shadow_iteration()
+
+    def post_hook(self, is_last_joiner):
+        self.wrapper._sync_final_model(is_last_joiner)
+
+
 def _on_grad(wrapper, param):
     wrapper = wrapper()
     if wrapper is not None:
@@ -162,12 +208,13 @@ def _remove_hooks(handles):
         handle.remove()
 
 
-class DataParallel(torch.nn.Module):
+class DataParallel(torch.nn.Module, Joinable):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
     - At construction, parameters and buffers are broadcast from the group's rank 0, so every
       replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
-      before every training-mode forward, as DDP does.
+      before every training-mode forward but those that follow a forward made inside
+      ``no_sync()`` (once per accumulated step), as DDP does.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward produces them; the first bucket is 1 MiB so that communication starts early). Each
@@ -210,6 +257,15 @@ class DataParallel(torch.nn.Module):
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises.
     - A step whose backward raised is abandoned at the next forward (its calls are waited for).
+    - ``with model.join():`` trains on uneven inputs, as DDP's ``join()`` does (it is a
+      ``torch.distributed.algorithms.join.Joinable``, so ``Join([model, ...])`` works too): a
+      rank that has run out of batches shadows the others' buffer broadcasts and all-reduces,
+      contributing zero gradients, until every rank has; then every rank takes the parameters (and
+      broadcast buffers) of the last rank to finish. Gradients are divided by the group's size
+      (``divide_by_initial_world_size=True``) or by the number of ranks still training. Inside
+      the context each forward costs one more small all-reduce (which tells the ranks that have
+      joined what to shadow), and a synchronized forward must be followed by its backward before
+      the next one, or it raises: a joined rank shadows one backward per synchronized forward.
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant
       activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
@@ -236,6 +292,7 @@ class DataParallel(torch.nn.Module):
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False):
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_codec(codec)
@@ -298,6 +355,12 @@ class DataParallel(torch.nn.Module):
         self._warned_walk = False
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
+        # under join(): whether each step divides by the group's size, else by the ranks still training
+        self._divide_by_initial_world_size = True
+        self._announced = None  # the last forward's announcement to the ranks that have joined
+        self._step_announced = None  # ... that of the forward whose backward synchronizes next
+        self._prescale = 1.0 / self.process_group.size()  # the factor of this step's all-reduces
+        self._shadow = None  # a joined rank's zero buckets
         # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
         # used bare once its wrapper is gone, is not averaged by a forgotten wrapper too
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
@@ -311,7 +374,8 @@ class DataParallel(torch.nn.Module):
             self._index_of[p] = j
         self._buckets.append(bucket)
 
-    def _broadcast(self, tensors):
+    def _broadcast(self, tensors, src=None):
+        src = self._root if src is None else src
         by_dtype = {}
         for t in tensors:
             if t.numel():
@@ -320,11 +384,11 @@ class DataParallel(torch.nn.Module):
             data = [t.detach() for t in group]
             if dtype in (torch.float32, torch.float16, torch.bfloat16):
                 flat = flatten(data)
-                dist.broadcast(flat, src=self._root, group=self.process_group)
+                dist.broadcast(flat, src=src, group=self.process_group)
                 unflatten(flat, data)
             else:
                 for t in data:
-                    dist.broadcast(t, src=self._root, group=self.process_group)
+                    dist.broadcast(t, src=src, group=self.process_group)
 
     @property
     def buckets(self):
@@ -335,10 +399,14 @@ class DataParallel(torch.nn.Module):
         self._check_parameters()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._abandon_step()  # the last backward raised before its end
+        broadcasts = self._broadcasts_buffers()
+        if self._join_config.enable:
+            Join.notify_join_context(self)
+            self._announced = self._announce(joined=False, broadcasts=broadcasts)
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
-        if self.broadcast_buffers and self.training and torch.is_grad_enabled() and self._buffers_seen:
-            self._broadcast(self._buffers_seen)
+        if broadcasts:
+            self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
         output = self.module(*args, **kwargs)
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
@@ -352,6 +420,11 @@ class DataParallel(torch.nn.Module):
                                   "every parameter", stacklevel=4)
             self._reached = None if self._walk_failed else reached | (self._reached or set())
         return output
+
+    def _broadcasts_buffers(self):
+        """Before a training forward, unless the last one was made inside no_sync(): once per step."""
+        return (self.broadcast_buffers and self.training and torch.is_grad_enabled() and self._forward_synced
+                and bool(self._buffers_seen))
 
     def _check_parameters(self):
         params, self._buffers_seen = _members(self.module) if self._walk_members else \
@@ -377,6 +450,80 @@ class DataParallel(torch.nn.Module):
         finally:
             self._sync = previous
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context manager for training on uneven inputs, as ``DistributedDataParallel.join()``.
+
+        Wrap the training loop in it: a rank whose batches run out keeps shadowing the others'
+        buffer broadcasts and all-reduces with zero gradients until every rank has run out; then
+        every rank takes the parameters (and, with ``broadcast_buffers``, the buffers) of the last
+        rank to finish, the highest of them on a tie.
+
+        ``divide_by_initial_world_size``: divide gradients by the group's size (default: each
+        sample weighs the same in every step), else by the number of ranks still training.
+        ``throw_on_early_termination``: every rank raises once one has run out instead. ``enable``:
+        False turns it off. Another collective in the loop (SyncBatchNorm, a metric's all-reduce)
+        is not shadowed: use ``throw_on_early_termination=True`` there.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook with which ``torch.distributed.algorithms.join.Join`` makes a rank that has run out
+        of inputs shadow the others (keyword: ``divide_by_initial_world_size``, default True)."""
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _announce(self, joined, broadcasts=False):
+        """Under join(), before a forward's own communication: tells the ranks that have joined (they
+        send zeros) whether this forward broadcasts buffers and whether its backward synchronizes,
+        and every rank which ranks still train."""
+        group = self.process_group
+        flags = torch.zeros(2 + group.size())
+        sync = not joined and torch.is_grad_enabled() and self._sync
+        if sync and self._step_announced is not None:
+            raise RuntimeError("gradsync.DataParallel under join(): a synchronized forward followed another before "
+                               "its backward; the ranks that have joined shadow one backward per synchronized forward. "
+                               "Run the other forward under torch.no_grad() or no_sync(), or call backward in between")
+        if not joined:
+            flags[0], flags[1], flags[2 + group.rank()] = float(sync), float(broadcasts), 1.0
+        flags = flags.to(self._device)
+        announced = _Announcement(dist.all_reduce(flags, group=group, async_op=True), flags, group)
+        if sync:
+            self._step_announced = announced
+        return announced
+
+    def _shadow_iteration(self):
+        """A joined rank's part in the others' forward and backward, as their announcement says."""
+        self._check_parameters()
+        announced = self._announce(joined=True)
+        if announced.broadcasts:
+            self._broadcast(self._buffers_seen, announced.source)
+        if not announced.synchronizes:
+            return
+        ranks = self.process_group.size() if self._divide_by_initial_world_size else len(announced.active)
+        if self._shadow is None:
+            self._shadow = torch.empty(max(b.buffer.numel() for b in self._buckets), device=self._device)
+        for bucket in self._buckets:  # in the others' order; zero gradients and zero used flags
+            zeros = self._shadow[:bucket.buffer.numel()].zero_()
+            _issue(zeros, self.codec, self.process_group, 1.0 / ranks, 1.0, not self._checked, None).wait()
+        self._checked = True
+
+    def _sync_final_model(self, is_last_joiner):
+        group = self.process_group
+        last = torch.tensor([group.rank() if is_last_joiner else -1], device=self._device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
+        states = list(self.module.parameters()) + (list(self.module.buffers()) if self.broadcast_buffers else [])
+        self._broadcast(states, dist.get_global_rank(group, int(last.item())))
+        self._shadow = None
+
     def _on_grad(self, param):
         if param.grad is not None and param.grad.layout != torch.strided:
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
@@ -391,6 +538,10 @@ class DataParallel(torch.nn.Module):
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            ranks = self.process_group.size()
+            if self._step_announced is not None and not self._divide_by_initial_world_size:
+                ranks = len(self._step_announced.active)
+            self._prescale = 1.0 / ranks
             for b in self._buckets:  # a parameter frozen since wrapping, or not reached, gets none to wait for
                 b.expected = sum(1 for p in b.params if p.requires_grad and self._reaches(p))
         if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
@@ -434,6 +585,7 @@ class DataParallel(torch.nn.Module):
                         bucket.buffer.zero_()
                     self._arrived -= {id(p) for p in bucket.params}
         self._abandoned |= self._arrived
+        self._step_announced = None
         self._reset()
 
     def _reset(self):
@@ -464,8 +616,8 @@ class DataParallel(torch.nn.Module):
                 # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
                 bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused
                                           if bucket.params[j].requires_grad}
-            bucket.work = all_reduce(bucket.buffer, codec=self.codec, group=self.process_group, async_op=True,
-                                     residual=bucket.residual, check_call=not self._checked)
+            bucket.work = _issue(bucket.buffer, self.codec, self.process_group, self._prescale, 1.0,
+                                 not self._checked, bucket.residual)
             self._next += 1
 
     @staticmethod
@@ -514,6 +666,7 @@ class DataParallel(torch.nn.Module):
         except BaseException:
             self._abandon_step()
             raise
+        self._step_announced = None
         self._used.clear()
         self._abandoned.clear()
         self._reset()

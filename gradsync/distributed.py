@@ -224,15 +224,21 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         raise ValueError("tensor is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it to "
                          "this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-    engine = _engine(group, tensor)
-    slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
-    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual,
-                             DIRECT_BYTES)
-    handle = AllReduceWork(work, tensor)
+    handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
+    """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
+    any factor (gradsync.DataParallel averages over the ranks still training under ``join()``)."""
+    engine = _engine(group, tensor)
+    slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
+    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual,
+                             DIRECT_BYTES)
+    return AllReduceWork(work, tensor)
 
 
 def _group_is_live(group):
