@@ -155,22 +155,41 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 // The record every rank must agree on before the ring starts.
-RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct) {
+RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct, bool scatter) {
   return RingCall{t.numel(), static_cast<int32_t>(dtype_of(t)), static_cast<int32_t>(o.codec),
-                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems, direct ? 1 : 0, 0};
+                  static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems, direct ? 1 : 0,
+                  scatter ? 1 : 0, 0};
+}
+void check_residual(const at::Tensor& input, const RingOptions& options) {
+  if (options.residual.defined()) {
+    const at::Tensor& r = options.residual;
+    TORCH_CHECK(r.scalar_type() == at::kFloat && r.is_contiguous() && r.numel() == input.numel() &&
+                    r.device() == input.device(),
+                "gradsync: the residual must be a contiguous float32 tensor with the input's numel and device");
+  }
 }
 }  // namespace
 
 std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOptions& options) {
   TORCH_CHECK(tensor.is_contiguous(), "gradsync.all_reduce: the tensor must be contiguous");
   dtype_of(tensor);
-  if (options.residual.defined()) {
-    const at::Tensor& r = options.residual;
-    TORCH_CHECK(r.scalar_type() == at::kFloat && r.is_contiguous() && r.numel() == tensor.numel() &&
-                    r.device() == tensor.device(),
-                "gradsync.all_reduce: the residual must be a contiguous float32 tensor with the tensor's numel and device");
-  }
-  Job job{tensor, options, std::make_shared<RingWork>(tensor)};
+  check_residual(tensor, options);
+  return submit(Job{tensor, at::Tensor(), options, std::make_shared<RingWork>(tensor)});
+}
+
+std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options) {
+  TORCH_CHECK(input.is_contiguous() && output.is_contiguous(), "gradsync.reduce_scatter: the tensors must be contiguous");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
+              "gradsync.reduce_scatter: output and input must have one dtype and device");
+  TORCH_CHECK(input.numel() == output.numel() * size(), "gradsync.reduce_scatter: the input must hold ", size(),
+              " chunks of the output's ", output.numel(), " elements, not ", input.numel());
+  dtype_of(input);
+  check_residual(input, options);
+  return submit(Job{input, output, options, std::make_shared<RingWork>(output)});
+}
+
+std::shared_ptr<RingWork> RingEngine::submit(Job job) {
+  const at::Tensor& tensor = job.tensor;
 #ifdef GRADSYNC_WITH_CUDA
   if (tensor.is_cuda()) {
     // the worker starts once the caller's stream has produced the tensor
@@ -230,6 +249,7 @@ void RingEngine::run() {
       job.work->complete(error);
     }
     job.tensor = at::Tensor();
+    job.output = at::Tensor();
     job.options.residual = at::Tensor();
   }
 }
@@ -283,16 +303,20 @@ void RingEngine::execute(Job& job) {
   // slices of at most slice_bytes on the wire (ring_plan.h), but few enough that one call's tags fit its range
   const int64_t wire_size = codec == Codec::kFp8E4M3 || codec == Codec::kFp8E5M2 ? 1
                             : codec == Codec::kNone ? dtype_size(dtype) : 2;
+  const bool scatter = job.output.defined();
+  const auto plan_of = [&](int64_t slice) {
+    return scatter ? RingPlan::scatter(t.numel(), n, slice) : RingPlan(t.numel(), n, slice);
+  };
   int64_t slice_elems = ring_slice_elems(t.numel(), n, wire_size, o.slice_bytes);
-  while (ring_tag_span(RingPlan(t.numel(), n, slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
-  const RingPlan plan(t.numel(), n, slice_elems);
+  while (ring_tag_span(plan_of(slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
+  const RingPlan plan = plan_of(slice_elems);
 #ifdef GRADSYNC_WITH_CUDA
   if (t.is_cuda() && nccl_) return execute_nccl(job, plan, slice_elems);
 #endif
 
   // small host buffers: the direct exchange (its final sum has no CUDA twin, so CUDA tensors take the ring)
   const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
-  const bool direct = !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
+  const bool direct = !scatter && !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
                       payload_bytes <= o.direct_bytes;
   std::unique_ptr<CodecRingKernels> kernels;
   uint8_t *recv_image = nullptr, *send_image = nullptr;
@@ -321,6 +345,7 @@ void RingEngine::execute(Job& job) {
                                                  static_cast<float>(o.prescale), static_cast<float>(o.postscale));
     }
     set_error_feedback(*kernels, job);
+    if (scatter) kernels->scatter_into(job.output.data_ptr(), plan.chunk_begin((rank() + 1) % n));
     if (direct) {
       recv_image = workspace(recv_image_, direct_image_bytes(*kernels, t.numel(), n), at::kCPU, false);
       send_image = workspace(send_image_, payload_bytes, at::kCPU, false);
@@ -337,7 +362,7 @@ void RingEngine::execute(Job& job) {
     unprepared = std::current_exception();
   }
   if (o.check_call) {  // at the top of the call's tags, which every rank finds there whatever its numel
-    checked(ring_call(t, o, slice_elems, direct), unprepared,
+    checked(ring_call(t, o, slice_elems, direct, scatter), unprepared,
             [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
   }
   if (unprepared) {
@@ -348,7 +373,8 @@ void RingEngine::execute(Job& job) {
     return direct_allreduce(transport_, static_cast<CpuRingKernels&>(*kernels), t.numel(), recv_image, send_image,
                             tag_base);
   }
-  ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
+  if (scatter) ring_reduce_scatter(transport_, *kernels, plan, recv_image, send_image, tag_base);
+  else ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
 }
 
 void RingEngine::mark_unusable(const std::string& what) {
@@ -388,6 +414,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     } catch (const std::exception& e) {
       if (nccl_->abort(compute_stream_)) throw;
       new at::Tensor(t);  // leaked on purpose: kernels still queued may write them
+      if (job.output.defined()) new at::Tensor(job.output);
       if (o.residual.defined()) new at::Tensor(o.residual);
       new at::Tensor(check_table_);
       throw std::runtime_error(std::string(e.what()) + "; the call's kernels were still queued 10 s after the abort, so "
@@ -406,6 +433,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale),
                                                 compute_stream_, /*synchronize=*/false);
     set_error_feedback(*kernels, job);
+    if (job.output.defined()) kernels->scatter_into(job.output.data_ptr(), plan.chunk_begin((rank() + 1) % n));
     std::vector<int64_t> offsets;
     const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
     recv_image = workspace(recv_image_, image_bytes, t.device(), false);
@@ -414,7 +442,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     unprepared = std::current_exception();
   }
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
-    checked(ring_call(t, o, slice_elems, false), unprepared, [&](const RingCall& call) {
+    checked(ring_call(t, o, slice_elems, false, job.output.defined()), unprepared, [&](const RingCall& call) {
       const int64_t record = sizeof(RingCall);
       auto* records = reinterpret_cast<RingCall*>(check_table_.data_ptr<uint8_t>());
       std::vector<RingCall> host(n);
@@ -438,7 +466,8 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     // the check does not touch the tensor, so it need not wait for the caller's stream
     C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
     NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
-    ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
+    if (job.output.defined()) ring_reduce_scatter(transport, *kernels, plan, recv_image, send_image, 0);
+    else ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
     nccl_->synchronize(compute_stream_);
   });
 }
@@ -503,7 +532,17 @@ void bind_ring(pybind11::module& m) {
                                                                residual.value_or(at::Tensor()), direct_bytes});
           },
           py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
-          py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0);
+          py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0)
+      .def(
+          "reduce_scatter",
+          [](RingEngine& e, at::Tensor output, at::Tensor input, int64_t codec, double prescale, double postscale,
+             bool check_call, int64_t slice_bytes, std::optional<at::Tensor> residual) {
+            return e.reduce_scatter(std::move(output), std::move(input),
+                                    RingOptions{codec, prescale, postscale, check_call, slice_bytes,
+                                                residual.value_or(at::Tensor()), 0});
+          },
+          py::arg("output"), py::arg("input"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"),
+          py::arg("check_call"), py::arg("slice_bytes"), py::arg("residual") = py::none());
 }
 
 }  // namespace gradsync

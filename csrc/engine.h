@@ -60,6 +60,8 @@ class RingEngine {
   explicit RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group);
   ~RingEngine();
   std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
+  // `output` becomes this rank's chunk of `input` (size() chunks) reduced across the group.
+  std::shared_ptr<RingWork> reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options);
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
   void stop();
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
@@ -79,6 +81,7 @@ class RingEngine {
  private:
   struct Job {
     at::Tensor tensor;
+    at::Tensor output;  // a reduce-scatter's (tensor is then its input); undefined for an all-reduce
     RingOptions options;
     std::shared_ptr<RingWork> work;
 #ifdef GRADSYNC_WITH_CUDA
@@ -88,6 +91,7 @@ class RingEngine {
     // future's events and callbacks see the tensor's device and no unrelated work.
     std::optional<c10::Stream> stream;
   };
+  std::shared_ptr<RingWork> submit(Job job);
   void run();
   // After a call failed for another reason than the ranks' disagreement.
   void after_failure(const Job& job, const char* what, bool nccl_aborted_before);

@@ -1,7 +1,7 @@
 """gradsync: cheaper, safer gradient synchronization for PyTorch data parallelism.
 
 Fused multi-tensor flatten/unflatten and gradient codecs (fp16, bf16, block-scaled fp8) on CPU and CUDA,
-and a ring all-reduce that sends the compressed wire and accumulates in fp32.
+and a ring all-reduce (and reduce-scatter) that sends the compressed wire and accumulates in fp32.
 """
 from ._extension import load as _load
 
@@ -10,7 +10,7 @@ __version__ = _build_info.version
 
 from . import hooks  # noqa: E402
 from .data_parallel import DataParallel  # noqa: E402
-from .distributed import AllReduceWork, all_reduce, shutdown  # noqa: E402
+from .distributed import AllReduceWork, all_reduce, reduce_scatter, shutdown  # noqa: E402
 from .ops import (  # noqa: E402
     CODECS,
     FP8_BLOCK_SIZE,
@@ -22,4 +22,4 @@ from .ops import (  # noqa: E402
 )
 
 __all__ = ["AllReduceWork", "CODECS", "DataParallel", "FP8_BLOCK_SIZE", "all_reduce", "compress", "decompress", "flatten",
-           "hooks", "payload_nbytes", "shutdown", "unflatten", "__version__"]
+           "hooks", "payload_nbytes", "reduce_scatter", "shutdown", "unflatten", "__version__"]

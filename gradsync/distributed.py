@@ -44,7 +44,8 @@ _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for 
 
 
 class AllReduceWork:
-    """The handle of an asynchronous :func:`all_reduce`; the tensor must not be touched until ``wait()``."""
+    """The handle of an asynchronous :func:`all_reduce` (or :func:`reduce_scatter`); the tensors must not be
+    touched until ``wait()``."""
 
     def __init__(self, work, tensor):
         self._work = work
@@ -239,6 +240,62 @@ def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
     work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual,
                              DIRECT_BYTES)
     return AllReduceWork(work, tensor)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
+                   prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
+                   check_call: bool = True, residual: Optional[torch.Tensor] = None):
+    """Reduces ``input`` across ``group`` and writes this rank's share into ``output``, as
+    ``torch.distributed.reduce_scatter_tensor`` does: ``input`` holds ``group.size()`` chunks of
+    ``output.numel()`` elements end to end, and rank r's ``output`` becomes the reduction of chunk r.
+
+    The first half of :func:`all_reduce`'s ring, n-1 hops: the wire carries ``codec``, every hop
+    sums in fp32, and each rank's reduced chunk is encoded once and decoded into ``output`` (so
+    ``output`` holds what :func:`all_reduce` would leave in that chunk, up to the order of the
+    fp32 sums). ``op``, ``codec``, ``prescale``/``postscale``, ``async_op``, ``check_call`` and
+    ``residual`` (here with ``input``'s numel) as for :func:`all_reduce`. ``input`` is only
+    read; ``output`` may be this rank's own chunk of it (in place), or memory of its own.
+    """
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; gradsync.reduce_scatter takes float32, float16 or bfloat16")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {t.device}; gradsync.reduce_scatter takes CPU or CUDA tensors")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on {input.device}) "
+                         "must have one dtype and device")
+    _check_codec(codec)
+    group = _resolve_group(group)
+    n, rank = group.size(), group.rank()
+    if input.numel() != n * output.numel():
+        raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements ({n * output.numel()} "
+                         f"elements), got {input.numel()}")
+    if residual is not None:
+        _check_residual(residual, input)
+    if output.numel() and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+        size = output.element_size()
+        own = input.data_ptr() + rank * output.numel() * size
+        if output.data_ptr() != own and output.data_ptr() < input.data_ptr() + input.numel() * size and \
+                input.data_ptr() < output.data_ptr() + output.numel() * size:
+            raise ValueError("output overlaps input other than as this rank's own chunk of it "
+                             f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
+    if not input.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
+        raise ValueError("input is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it to "
+                         "this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    prescale, postscale = resolve_scales(op, n, prescale, postscale)
+    engine = _engine(group, input)
+    slice_bytes = NCCL_SLICE_BYTES if input.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
+    work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes,
+                                 residual)
+    handle = AllReduceWork(work, output)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def _group_is_live(group):

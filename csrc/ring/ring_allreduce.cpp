@@ -82,7 +82,7 @@ void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t
 }
 
 void* CpuRingKernels::result_as_payload(int64_t begin) {
-  return codec_ == Codec::kNone && postscale_ == 1.0f ? result_at(begin) : nullptr;
+  return !scatter_ && codec_ == Codec::kNone && postscale_ == 1.0f ? result_at(begin) : nullptr;
 }
 
 uint32_t ring_tag_span(const RingPlan& plan) {
@@ -128,7 +128,8 @@ void compare_ring_calls(const RingCall* table, int n) {
   std::ostringstream diff;
   const auto describe = [&](const RingCall& c) {
     diff << "numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec << ", prescale " << c.prescale
-         << ", postscale " << c.postscale << ", schedule " << (c.direct ? "direct" : "ring");
+         << ", postscale " << c.postscale << ", schedule " << (c.direct ? "direct" : "ring") << ", operation "
+         << (c.scatter ? "reduce_scatter" : "all_reduce");
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
@@ -140,7 +141,8 @@ void compare_ring_calls(const RingCall* table, int n) {
     }
   }
   if (!diff.str().empty()) {
-    throw std::invalid_argument("gradsync.all_reduce: the ranks disagree on the call:" + diff.str() +
+    throw std::invalid_argument(std::string(table[0].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce") +
+                                ": the ranks disagree on the call:" + diff.str() +
                                 " every rank must pass the same numel, dtype, codec and scaling");
   }
 }
@@ -209,8 +211,8 @@ struct RingCallLayout {
 };
 
 // For a rendezvous transport: every receive of a phase is posted up front, and each slice is
-// forwarded as soon as it is reduced.
-void ring_posted_ahead(const RingCallLayout& L) {
+// forwarded as soon as it is reduced. Without `gather`, the reduce-scatter alone.
+void ring_posted_ahead(const RingCallLayout& L, bool gather) {
   Transport& t = L.t;
   const RingPlan& plan = L.plan;
   const int n = L.n, r = L.r;
@@ -233,6 +235,10 @@ void ring_posted_ahead(const RingCallLayout& L) {
     }
   }
   t.wait_all();
+  if (!gather) {
+    for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
+    return;
+  }
 
   // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
   // forwards it, then decodes it into the result (unless it was received there).
@@ -259,8 +265,8 @@ void ring_posted_ahead(const RingCallLayout& L) {
 // unpaired. The host never waits: wait() orders the kernels after the receive on the device. A
 // send waits for every kernel issued before it, so each hop's kernel (and its wait) is issued after
 // the next hop: the transfer of slice k+1 then overlaps the kernel of slice k instead of following
-// it, unless that send reads what the kernel writes.
-void ring_paired(const RingCallLayout& L) {
+// it, unless that send reads what the kernel writes. Without `gather`, the reduce-scatter alone.
+void ring_paired(const RingCallLayout& L, bool gather) {
   Transport& t = L.t;
   const RingPlan& plan = L.plan;
   const int n = L.n, r = L.r;
@@ -296,6 +302,11 @@ void ring_paired(const RingCallLayout& L) {
     }
   }
   flush();
+  if (!gather) {
+    for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
+    t.wait_all();
+    return;
+  }
   t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
@@ -318,16 +329,28 @@ void ring_paired(const RingCallLayout& L) {
 
 }  // namespace
 
-void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
-                    uint8_t* send_image, uint32_t tag_base) {
+namespace {
+void ring_run(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image, uint8_t* send_image,
+              uint32_t tag_base, bool gather) {
   const RingCallLayout layout(t, kernels, plan, recv_image, send_image, tag_base);
   if (plan.ranks() == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
     for (int k = 0; k < plan.slices(0); ++k) layout.encode(0, k);
     for (int k = 0; k < plan.slices(0); ++k) layout.decode_own(k);
     return;
   }
-  if (t.posts_receives_ahead()) ring_posted_ahead(layout);
-  else ring_paired(layout);
+  if (t.posts_receives_ahead()) ring_posted_ahead(layout, gather);
+  else ring_paired(layout, gather);
+}
+}  // namespace
+
+void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                    uint8_t* send_image, uint32_t tag_base) {
+  ring_run(t, kernels, plan, recv_image, send_image, tag_base, /*gather=*/true);
+}
+
+void ring_reduce_scatter(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                         uint8_t* send_image, uint32_t tag_base) {
+  ring_run(t, kernels, plan, recv_image, send_image, tag_base, /*gather=*/false);
 }
 
 int64_t direct_image_bytes(const RingKernels& kernels, int64_t numel, int ranks) {

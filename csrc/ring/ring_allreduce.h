@@ -45,18 +45,29 @@ class CodecRingKernels : public RingKernels {
   // per all-reduce (its reduce-scatter hops plus its own reduced chunk), so the residuals of all
   // ranks sum to the error of the result, and adding them to the next call's inputs cancels it.
   void set_error_feedback(float* residual) { residual_ = residual; }
+  // A reduce-scatter's result: `result` holds the buffer's elements [begin, begin + its length)
+  // alone, and nothing is received or reduced in place there (result_as_payload is nullptr).
+  void scatter_into(void* result, int64_t begin) {
+    result_ = result;
+    result_begin_ = begin;
+    scatter_ = true;
+  }
 
  protected:
   bool fp8() const { return codec_ == Codec::kFp8E4M3 || codec_ == Codec::kFp8E5M2; }
   Fp8Format fp8_format() const { return codec_ == Codec::kFp8E4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2; }
   const char* local_at(int64_t begin) const { return static_cast<const char*>(local_) + begin * dtype_size(dtype_); }
-  void* result_at(int64_t begin) const { return static_cast<char*>(result_) + begin * dtype_size(dtype_); }
+  void* result_at(int64_t begin) const {
+    return static_cast<char*>(result_) + (begin - result_begin_) * dtype_size(dtype_);
+  }
   Codec codec_;
   const void* local_;
   void* result_;
   DType dtype_, wire_;
   float prescale_, postscale_;
   float* residual_ = nullptr;
+  int64_t result_begin_ = 0;
+  bool scatter_ = false;
 };
 
 // The host-memory kernels.
@@ -106,8 +117,11 @@ struct RingCall {
   float postscale;
   int64_t slice_elems;
   int32_t direct;  // 1: direct_allreduce, 0: the ring
+  int32_t scatter;  // 1: ring_reduce_scatter, 0: an all-reduce
   int32_t unprepared;  // 1: this rank could not prepare the call (its workspaces, say) and raises why
+  int32_t padding = 0;  // records are compared bytewise: no byte of one is left undefined
 };
+static_assert(sizeof(RingCall) == 48, "RingCall has implicit padding");
 
 // Tags of one call occupy [tag_base, tag_base + ring_tag_span(plan)).
 uint32_t ring_tag_span(const RingPlan& plan);
@@ -133,6 +147,13 @@ void compare_ring_calls(const RingCall* table, int n);
 // failure can leave the result partly written.
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
+
+// The reduce-scatter half alone, on a RingPlan::scatter plan: each rank's fully reduced chunk (the
+// buffer's chunk `rank`) is encoded once, as in the all-reduce, then decoded into the result, which
+// holds that chunk alone (CodecRingKernels::scatter_into). The input is only read; the result may
+// be the input's own chunk, which nothing reads once the result is written.
+void ring_reduce_scatter(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                         uint8_t* send_image, uint32_t tag_base);
 
 // For buffers so small that the ring's 2(n-1) hop latencies dominate: every rank sends its encoded
 // contribution to every other in one exchange (one hop of latency; n-1 payloads out and n-1 in),

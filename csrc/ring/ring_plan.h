@@ -1,6 +1,7 @@
 // How the ring cuts a buffer: n chunks (one per rank, each a multiple of the fp8 block so that
-// blocks and 16-byte alignment hold), each chunk in slices that are encoded and sent separately so
-// that the transfer of slice k+1 overlaps the reduction of slice k. Every rank computes the same plan.
+// blocks and 16-byte alignment hold; a reduce-scatter's are the size its caller gives), each chunk
+// in slices that are encoded and sent separately so that the transfer of slice k+1 overlaps the
+// reduction of slice k. Every rank computes the same plan.
 #pragma once
 
 #include <algorithm>
@@ -25,17 +26,22 @@ inline int64_t ring_slice_elems(int64_t numel, int ranks, int64_t wire_size, int
 class RingPlan {
  public:
   RingPlan(int64_t numel, int ranks, int64_t slice_elems)
-      : numel_(numel), ranks_(ranks),
-        chunk_(round_up((numel + ranks - 1) / ranks)),
-        slice_(std::max<int64_t>(kRingAlign, round_up(slice_elems))) {}
+      : RingPlan(numel, ranks, slice_elems, round_up((numel + ranks - 1) / ranks), 0) {}
+  // For a reduce-scatter of `numel` = ranks * s elements: chunks of exactly s elements (aligned or
+  // not), the ring's chunk c being the buffer's chunk c + ranks - 1, so that the chunk each rank
+  // reduces last (the ring's chunk rank + 1) is the buffer's chunk `rank`.
+  static RingPlan scatter(int64_t numel, int ranks, int64_t slice_elems) {
+    return RingPlan(numel, ranks, slice_elems, numel / ranks, ranks - 1);
+  }
 
   int ranks() const { return ranks_; }
   int64_t numel() const { return numel_; }
-  int64_t chunk_begin(int c) const { return std::min(numel_, c * chunk_); }
-  int64_t chunk_len(int c) const { return std::min(numel_, (c + 1) * chunk_) - chunk_begin(c); }
+  int64_t chunk_begin(int c) const { return std::min(numel_, place(c) * chunk_); }
+  int64_t chunk_len(int c) const { return std::min(numel_, (place(c) + 1) * chunk_) - chunk_begin(c); }
   int slices(int c) const { return static_cast<int>((chunk_len(c) + slice_ - 1) / slice_); }
-  int max_slices() const { return slices(0); }  // chunk 0 is never shorter than another
-  int64_t max_slice_len() const { return std::min(slice_, chunk_len(0)); }
+  // the buffer's first chunk is never shorter than another
+  int max_slices() const { return static_cast<int>((std::min(numel_, chunk_) + slice_ - 1) / slice_); }
+  int64_t max_slice_len() const { return std::min(slice_, std::min(numel_, chunk_)); }
   int64_t slice_begin(int c, int k) const { return chunk_begin(c) + k * slice_; }
   int64_t slice_len(int c, int k) const { return std::min(slice_, chunk_len(c) - k * slice_); }
 
@@ -56,9 +62,13 @@ class RingPlan {
   }
 
  private:
+  RingPlan(int64_t numel, int ranks, int64_t slice_elems, int64_t chunk, int rotation)
+      : numel_(numel), ranks_(ranks), rotation_(rotation), chunk_(chunk),
+        slice_(std::max<int64_t>(kRingAlign, round_up(slice_elems))) {}
   static int64_t round_up(int64_t x) { return (x + kRingAlign - 1) / kRingAlign * kRingAlign; }
+  int64_t place(int c) const { return (c + rotation_) % ranks_; }  // the buffer's chunk of the ring's chunk c
   int64_t numel_;
-  int ranks_;
+  int ranks_, rotation_;
   int64_t chunk_, slice_;
 };
 

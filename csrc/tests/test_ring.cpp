@@ -209,6 +209,74 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
   }
 }
 
+// A reduce-scatter's plan: chunks of exactly `chunk` elements, the ring's chunk c the buffer's c + n - 1.
+void check_scatter_plan(int64_t chunk, int ranks, int64_t slice) {
+  const RingPlan plan = RingPlan::scatter(chunk * ranks, ranks, slice);
+  for (int c = 0; c < ranks; ++c) {
+    CHECK(plan.chunk_begin(c) == (c + ranks - 1) % ranks * chunk && plan.chunk_len(c) == chunk,
+          "chunk %ld ranks %d: ring chunk %d at %ld, %ld long", long(chunk), ranks, c, long(plan.chunk_begin(c)),
+          long(plan.chunk_len(c)));
+    CHECK(plan.slices(c) == plan.max_slices(), "ring chunk %d: %d slices of %d", c, plan.slices(c), plan.max_slices());
+    int64_t in_chunk = 0;
+    for (int k = 0; k < plan.slices(c); ++k) {
+      CHECK(plan.slice_begin(c, k) == plan.chunk_begin(c) + in_chunk && plan.slice_len(c, k) > 0, "slice %d/%d", c, k);
+      in_chunk += plan.slice_len(c, k);
+    }
+    CHECK(in_chunk == chunk, "ring chunk %d: slices cover %ld of %ld", c, long(in_chunk), long(chunk));
+  }
+}
+
+// Rank r's result must be the exact sum of chunk r (small integers; fp8 within its rounding), the
+// input untouched, or (`in_place`) the result written over the input's own chunk.
+void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, bool in_order, bool in_place) {
+  const int64_t numel = chunk * ranks;
+  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
+  std::vector<double> exact(numel, 0.0);
+  std::mt19937 rng(static_cast<uint32_t>(chunk * 17 + ranks));
+  std::uniform_int_distribution<int> small(-8, 8);
+  for (auto& d : data) {
+    for (int64_t i = 0; i < numel; ++i) exact[i] += d[i] = static_cast<float>(small(rng));
+  }
+  const std::vector<std::vector<float>> inputs = data;
+  std::vector<std::vector<float>> results(ranks, std::vector<float>(chunk, -1.0f));
+  Hub hub;
+  const RingPlan plan = RingPlan::scatter(numel, ranks, slice);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        LocalTransport transport(hub, r, ranks, in_order);
+        CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
+        kernels.scatter_into(in_place ? data[r].data() + r * chunk : results[r].data(), r * chunk);
+        std::vector<int64_t> offsets;
+        const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+        std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
+        ring_reduce_scatter(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
+  for (int r = 0; r < ranks; ++r) {
+    CHECK(errors[r].empty(), "reduce-scatter ranks %d chunk %ld codec %d: rank %d: %s", ranks, long(chunk), int(codec),
+          r, errors[r].c_str());
+    for (int64_t i = 0; i < numel; ++i) {
+      if (in_place && i / std::max<int64_t>(chunk, 1) == r) continue;
+      CHECK(data[r][i] == inputs[r][i], "reduce-scatter ranks %d codec %d: rank %d's input changed at %ld", ranks,
+            int(codec), r, long(i));
+    }
+    const float* result = in_place ? data[r].data() + r * chunk : results[r].data();
+    for (int64_t i = 0; i < chunk; ++i) {
+      CHECK(std::fabs(result[i] - exact[r * chunk + i]) <= ranks * rel * 8.0 * ranks,
+            "reduce-scatter ranks %d chunk %ld codec %d%s: rank %d [%ld] %g vs %g", ranks, long(chunk), int(codec),
+            in_order ? ", in order" : "", r, long(i), result[i], exact[r * chunk + i]);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -227,6 +295,17 @@ int main() {
           check_allreduce(ranks, numel, codec, 256, in_order, false, /*prescale=*/0.25f);
           check_allreduce(ranks, numel, codec, 256, in_order, false, 0.25f, /*apart=*/true);
           check_allreduce(ranks, numel, codec, 256, in_order, false, 1.0f, /*apart=*/true);
+        }
+      }
+    }
+  }
+  for (int ranks = 1; ranks <= 5; ++ranks) {
+    for (int64_t chunk : {0L, 1L, 127L, 128L, 129L, 1000L}) {
+      for (int64_t slice : {1L, 128L, 1000L}) check_scatter_plan(chunk, ranks, slice);
+      for (Codec codec : codecs) {
+        for (bool in_order : {false, true}) {
+          check_reduce_scatter(ranks, chunk, codec, 256, in_order, false);
+          check_reduce_scatter(ranks, chunk, codec, 256, in_order, true);
         }
       }
     }
@@ -252,7 +331,7 @@ int main() {
           try {
             const bool odd = r == 1;
             check_ring_call(transport, RingCall{variant >> 1 == 1 && odd ? 11 : 10, 0, 1, 1.0f, 1.0f, 256,
-                                                variant >> 1 == 2 && odd, variant >> 1 == 3 && odd}, 0);
+                                                variant >> 1 == 2 && odd, 0, variant >> 1 == 3 && odd}, 0);
           } catch (const std::invalid_argument& e) {
             threw[r] = variant >> 1 != 3 || std::string(e.what()).find("rank(s) 1 could not prepare") != std::string::npos;
           }

@@ -1,0 +1,245 @@
+"""gradsync.reduce_scatter on gloo ranks against fp64, and as FSDP2's gradient reduce-scatter."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradsync
+from distributed_harness import World
+from test_allreduce import DTYPES, digest, error_ratio, rank_input, same_bits_up_to_nan_payload
+
+
+def scatter_cases(rank, size, cases):
+    """{case: (error ratio of this rank's chunk, digest)}; each case also in place, into the input's
+    own chunk, which must give the same bits, and the input must stay as it was otherwise."""
+    out = {}
+    for chunk, codec, dtype_name, op in cases:
+        dtype = DTYPES[dtype_name]
+        inputs = [rank_input(r, chunk * size, dtype, seed=chunk) for r in range(size)]
+        x = inputs[rank].clone()
+        result = torch.full((chunk,), float("nan"), dtype=dtype)
+        gradsync.reduce_scatter(result, x, op=op, codec=codec)
+        assert torch.equal(x.view(torch.uint8), inputs[rank].view(torch.uint8)), "input changed"
+        mine = slice(rank * chunk, (rank + 1) * chunk)
+        gradsync.reduce_scatter(x[mine], x, op=getattr(dist.ReduceOp, op.upper()), codec=codec)
+        assert torch.equal(x[mine].view(torch.uint8), result.view(torch.uint8)), "in place differs"
+        x[mine] = inputs[rank][mine]
+        assert torch.equal(x.view(torch.uint8), inputs[rank].view(torch.uint8)), "in place wrote outside its chunk"
+        ratio = error_ratio(result, [i[mine] for i in inputs], codec, op, dtype_name, size)
+        out[(chunk, codec, dtype_name, op)] = (ratio, digest(result))
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_reduce_scatter_matches_fp64_for_every_codec_dtype_and_op(worlds, size):
+    chunks = [0, 1, 127, 1009, 2**16 + 3]
+    cases = [(c, codec, dtype, op) for c in chunks for dtype in DTYPES for codec in gradsync.CODECS
+             for op in ("avg", "sum") if c < 2**16 or dtype == "float32"]
+    for case, (ratio, _) in ((case, v) for r in worlds(size).run(scatter_cases, cases) for case, v in r.items()):
+        assert ratio <= 1.0, f"{case}: error {ratio:.3g} x the bound"
+
+
+def in_flight_and_subgroups(rank, size):
+    """Two async reduce-scatters and an all-reduce in flight at once, then a subgroup of ranks 1..3."""
+    chunk = 5000
+    xs = [rank_input(rank, chunk * size, torch.float32, seed=s) for s in range(3)]
+    outs = [torch.empty(chunk) for _ in range(2)]
+    works = [gradsync.reduce_scatter(outs[i], xs[i], codec="fp16", async_op=True) for i in range(2)]
+    reduced = xs[2].clone()
+    works.append(gradsync.all_reduce(reduced, codec="none", async_op=True))
+    for w in works:
+        w.wait()
+    for i in range(2):
+        ref = torch.stack([rank_input(r, chunk * size, torch.float32, seed=i) for r in range(size)]).double().mean(0)
+        assert (outs[i].double() - ref[rank * chunk:(rank + 1) * chunk]).abs().max() < 1e-2 * ref.abs().max()
+    sub = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    out = torch.empty(7)
+    x = torch.arange(21, dtype=torch.float32) * rank
+    gradsync.reduce_scatter(out, x, op="sum", group=sub)
+    return out.tolist()
+
+
+def test_reduce_scatter_in_flight_with_others_and_on_a_subgroup(worlds):
+    results = worlds(4).run(in_flight_and_subgroups)
+    expected = (torch.arange(21, dtype=torch.float32) * 6).view(3, 7)
+    for sub_rank, result in enumerate(results[1:]):
+        assert result == expected[sub_rank].tolist()
+
+
+def disagreeing(rank, size):
+    out, x = torch.empty(4), torch.randn(4 * size)
+    messages = []
+    for call in ("numel", "operation"):
+        try:
+            if call == "numel" and rank == 1:
+                gradsync.reduce_scatter(torch.empty(5), torch.randn(5 * size))
+            elif call == "operation" and rank == 1:
+                gradsync.all_reduce(torch.randn(4 * size))
+            else:
+                gradsync.reduce_scatter(out, x)
+        except ValueError as e:
+            messages.append(str(e))
+    gradsync.reduce_scatter(out, x)  # the group is still usable
+    return messages
+
+
+def test_ranks_that_disagree_raise_everywhere(worlds):
+    for messages in worlds(3).run(disagreeing):
+        assert len(messages) == 2
+        assert "numel 12" in messages[0] and "numel 15" in messages[0]
+        assert "operation all_reduce" in messages[1] and "operation reduce_scatter" in messages[1]
+
+
+def bad_calls(rank, size):
+    x = torch.randn(4 * size)
+    cases = [
+        (lambda: gradsync.reduce_scatter(torch.empty(3), x), ValueError, f"input must hold {size} chunks"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4, dtype=torch.float16), x), ValueError, "one dtype and device"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4, dtype=torch.int32), x), TypeError, "output has dtype"),
+        (lambda: gradsync.reduce_scatter(x[1:5], x), ValueError, "overlaps input"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4), x, codec="fp4"), ValueError, "unknown codec"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4), x, residual=torch.zeros(4)), ValueError, "residual"),
+        (lambda: gradsync.reduce_scatter(torch.empty(8)[::2], x), ValueError, "output must be contiguous"),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error, match=words):
+            call()
+    return True
+
+
+def test_bad_input_raises_naming_the_argument(worlds):
+    assert all(worlds(2).run(bad_calls))
+
+
+def feedback_steps(rank, size, steps):
+    """Max error of the mean over `steps` fp8 reduce-scatters of one input, with and without error
+    feedback, relative to the largest reduced value."""
+    chunk = 4096
+    x = rank_input(rank, chunk * size, torch.float32, seed=7)
+    ref = torch.stack([rank_input(r, chunk * size, torch.float32, seed=7) for r in range(size)]).double()
+    ref = ref.mean(0)[rank * chunk:(rank + 1) * chunk]
+    errors = {}
+    for feedback in (False, True):
+        residual = torch.zeros(chunk * size) if feedback else None
+        total = torch.zeros(chunk, dtype=torch.float64)
+        for _ in range(steps):
+            out = torch.empty(chunk)
+            gradsync.reduce_scatter(out, x, codec="fp8_e4m3", residual=residual)
+            total += out.double()
+        errors[feedback] = float((total / steps - ref).abs().max() / ref.abs().max())
+    return errors
+
+
+def test_error_feedback_cancels_the_fp8_error_over_steps(worlds):
+    for errors in worlds(3).run(feedback_steps, 16):
+        assert errors[True] < errors[False] / 4, errors
+
+
+def scatter_cuda_matches_cpu(rank, size):
+    """CUDA tensors (over gloo, through pinned host memory) against CPU ones: the same plan and twin
+    kernels, so the same bits; a chunk that is no multiple of the fp8 block, and error feedback."""
+    torch.cuda.set_device(0)  # all ranks share one GPU
+    same, chunk = {}, 33337
+    for codec in gradsync.CODECS:
+        for dtype_name, dtype in DTYPES.items():
+            x = rank_input(rank, chunk * size, dtype, seed=11)
+            on_cpu, on_gpu = torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype, device="cuda")
+            gradsync.reduce_scatter(on_cpu, x, codec=codec)
+            gradsync.reduce_scatter(on_gpu, x.cuda(), codec=codec)
+            same[(codec, dtype_name)] = same_bits_up_to_nan_payload(on_gpu, on_cpu)
+        x = rank_input(rank, chunk * size, torch.float32, seed=12)
+        residual = rank_input(rank, x.numel(), torch.float32, seed=13) * 1e-3
+        cpu_residual, gpu_residual = residual.clone(), residual.cuda()
+        on_cpu, on_gpu = torch.empty(chunk), torch.empty(chunk, device="cuda")
+        gradsync.reduce_scatter(on_cpu, x, codec=codec, residual=cpu_residual)
+        gradsync.reduce_scatter(on_gpu, x.cuda(), codec=codec, residual=gpu_residual)
+        same[(codec, "feedback")] = (same_bits_up_to_nan_payload(on_gpu, on_cpu)
+                                     and same_bits_up_to_nan_payload(gpu_residual, cpu_residual))
+    return same
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size", [1, 3])
+def test_reduce_scatter_on_one_gpu_matches_the_cpu_ring_bitwise(worlds, size):
+    for same in worlds(size).run(scatter_cuda_matches_cpu):
+        assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
+def nccl_scatter_of_one(rank, size):
+    same = {}
+    for codec in gradsync.CODECS:
+        x = rank_input(rank, 100003, torch.float32, seed=14)
+        expected = gradsync.decompress(gradsync.compress(x, codec), codec, x.numel())
+        out = torch.empty(x.numel(), device="cuda")
+        gradsync.reduce_scatter(out, x.cuda(), codec=codec)
+        same[codec] = torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
+    same["nccl"] = gradsync.distributed._engines[dist.distributed_c10d._get_default_group()].nccl_device == 0
+    return same
+
+
+@pytest.mark.cuda
+def test_reduce_scatter_over_nccl_at_world_size_one():
+    world = World(1, backend="nccl")
+    try:
+        same = world.run(nccl_scatter_of_one)[0]
+    finally:
+        world.close()
+    assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
+# --- FSDP2 -------------------------------------------------------------------------------------------
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 37), torch.nn.Linear(37, 64), torch.nn.Linear(64, 1)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def fsdp_train(rank, size, modes, steps):
+    """Per mode, the full parameters after `steps` SGD steps of an FSDP2 model on this rank's batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,))
+    out = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        model = Mlp()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if mode != "torch":
+            codec, _, ef = mode.partition("+")
+            assert fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef)) == 4
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(16, 16, generator=g)
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
+            opt.step()
+        out[mode] = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    return out
+
+
+FSDP_MODES = {"none": 1e-6, "fp16": 1e-4, "bf16": 1e-3, "fp8_e4m3+ef": 5e-3}  # 10-50x what the CPU measures
+
+
+def test_fsdp2_trains_with_gradsync_reduce_scatters_as_with_its_own(worlds):
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    results = worlds(3).run(fsdp_train, ["torch", *FSDP_MODES], 8)
+    for mode in results[0]:
+        assert all(torch.equal(r[mode], results[0][mode]) for r in results), f"{mode}: ranks differ"
+    reference = results[0]["torch"]
+    for mode, tolerance in FSDP_MODES.items():
+        distance = float((results[0][mode] - reference).norm() / reference.norm())
+        assert distance < tolerance, (mode, distance)
