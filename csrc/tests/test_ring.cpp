@@ -114,6 +114,36 @@ class LocalTransport : public Transport {
   std::deque<std::vector<uint8_t>> sent_;
 };
 
+// Runs fn(rank) on one thread per rank; returns what each threw ("" if nothing).
+template <typename Fn>
+std::vector<std::string> on_ranks(int ranks, Fn fn) {
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// `ranks` inputs of small integers, whose every partial sum is exact in fp16 and bf16, and their sum.
+std::vector<std::vector<float>> small_integers(int ranks, int64_t numel, uint32_t seed, std::vector<double>& exact) {
+  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
+  exact.assign(numel, 0.0);
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> small(-8, 8);
+  for (auto& d : data) {
+    for (int64_t i = 0; i < numel; ++i) exact[i] += d[i] = static_cast<float>(small(rng));
+  }
+  return data;
+}
+
 void check_plan(int64_t numel, int ranks, int64_t slice) {
   const RingPlan plan(numel, ranks, slice);
   int64_t covered = 0;
@@ -150,42 +180,24 @@ void check_plan(int64_t numel, int ranks, int64_t slice) {
 // left as it was.
 void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool in_order, bool direct = false,
                      float prescale = 1.0f, bool apart = false) {
-  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
-  std::vector<double> exact(numel, 0.0);
-  std::mt19937 rng(static_cast<uint32_t>(numel * 31 + ranks));
-  std::uniform_int_distribution<int> small(-8, 8);
-  for (auto& d : data) {
-    for (int64_t i = 0; i < numel; ++i) {
-      d[i] = static_cast<float>(small(rng));  // small integers: every partial sum is exact in fp16 and bf16
-      exact[i] += d[i];
-    }
-  }
+  std::vector<double> exact;
+  std::vector<std::vector<float>> data = small_integers(ranks, numel, static_cast<uint32_t>(numel * 31 + ranks), exact);
   const std::vector<std::vector<float>> inputs = data;
   std::vector<std::vector<float>> results(ranks, std::vector<float>(numel, -1.0f));
   Hub hub;
   const RingPlan plan(numel, ranks, slice);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        LocalTransport transport(hub, r, ranks, in_order);
-        CpuRingKernels kernels(codec, data[r].data(), apart ? results[r].data() : data[r].data(), DType::kFloat32,
-                               prescale, 1.0f);
-        std::vector<int64_t> offsets;
-        const int64_t bytes = direct ? direct_image_bytes(kernels, numel, ranks)
-                                     : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
-        std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-        check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), prescale, 1.0f, slice, direct},
-                        1u << 20);
-        if (direct) direct_allreduce(transport, kernels, numel, recv_image.data(), send_image.data(), 0);
-        else ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
+    LocalTransport transport(hub, r, ranks, in_order);
+    CpuRingKernels kernels(codec, data[r].data(), apart ? results[r].data() : data[r].data(), DType::kFloat32,
+                           prescale, 1.0f);
+    std::vector<int64_t> offsets;
+    const int64_t bytes = direct ? direct_image_bytes(kernels, numel, ranks)
+                                 : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+    std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
+    check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), prescale, 1.0f, slice, direct}, 1u << 20);
+    if (direct) direct_allreduce(transport, kernels, numel, recv_image.data(), send_image.data(), 0);
+    else ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+  });
   for (int r = 0; r < ranks; ++r) {
     CHECK(errors[r].empty(), "ranks %d numel %ld codec %d%s%s: rank %d: %s", ranks, long(numel), int(codec),
           in_order ? ", in order" : "", direct ? ", direct" : "", r, errors[r].c_str());
@@ -230,35 +242,21 @@ void check_scatter_plan(int64_t chunk, int ranks, int64_t slice) {
 // input untouched, or (`in_place`) the result written over the input's own chunk.
 void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, bool in_order, bool in_place) {
   const int64_t numel = chunk * ranks;
-  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
-  std::vector<double> exact(numel, 0.0);
-  std::mt19937 rng(static_cast<uint32_t>(chunk * 17 + ranks));
-  std::uniform_int_distribution<int> small(-8, 8);
-  for (auto& d : data) {
-    for (int64_t i = 0; i < numel; ++i) exact[i] += d[i] = static_cast<float>(small(rng));
-  }
+  std::vector<double> exact;
+  std::vector<std::vector<float>> data = small_integers(ranks, numel, static_cast<uint32_t>(chunk * 17 + ranks), exact);
   const std::vector<std::vector<float>> inputs = data;
   std::vector<std::vector<float>> results(ranks, std::vector<float>(chunk, -1.0f));
   Hub hub;
   const RingPlan plan = RingPlan::scatter(numel, ranks, slice);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        LocalTransport transport(hub, r, ranks, in_order);
-        CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
-        kernels.scatter_into(in_place ? data[r].data() + r * chunk : results[r].data(), r * chunk);
-        std::vector<int64_t> offsets;
-        const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
-        std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-        ring_reduce_scatter(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
+    LocalTransport transport(hub, r, ranks, in_order);
+    CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
+    kernels.scatter_into(in_place ? data[r].data() + r * chunk : results[r].data(), r * chunk);
+    std::vector<int64_t> offsets;
+    const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+    std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
+    ring_reduce_scatter(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+  });
   const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
   for (int r = 0; r < ranks; ++r) {
     CHECK(errors[r].empty(), "reduce-scatter ranks %d chunk %ld codec %d: rank %d: %s", ranks, long(chunk), int(codec),
