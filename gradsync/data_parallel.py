@@ -174,14 +174,31 @@ class _Announcement:
         return self._read()[1] > 0
 
     @property
+    def with_grad(self):
+        """Whether the forward ran with gradients enabled (whether it decides the next broadcast)."""
+        return self._read()[2] > 0
+
+    @property
     def active(self):
         """The group ranks still training."""
-        return [r for r, flag in enumerate(self._read()[2:]) if flag > 0]
+        return [r for r, flag in enumerate(self._read()[3:]) if flag > 0]
 
     @property
     def source(self):
         """Where buffers come from: the highest rank still training (rank 0 may have joined)."""
         return dist.get_global_rank(self._group, max(self.active))
+
+
+class _Join(Join):
+    """torch's Join, after which the wrapper's forwards announce nothing more, also when the loop raised."""
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for joinable in self._joinables:
+                if isinstance(joinable, DataParallel):
+                    joinable._leave_join()
 
 
 class _JoinHook(JoinHook):
@@ -264,8 +281,10 @@ class DataParallel(torch.nn.Module, Joinable):
       broadcast buffers) of the last rank to finish. Gradients are divided by the group's size
       (``divide_by_initial_world_size=True``) or by the number of ranks still training. Inside
       the context each forward costs one more small all-reduce (which tells the ranks that have
-      joined what to shadow), and a synchronized forward must be followed by its backward before
-      the next one, or it raises: a joined rank shadows one backward per synchronized forward.
+      joined what to shadow). While a rank has joined it shadows one backward per synchronized
+      forward: a forward whose backward did not run followed by another, or a second backward of
+      one forward (reentrant checkpointing), raises there, and the joined rank fails at the
+      group's timeout.
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
       called directly communicates too (on every rank, or it waits for the others), and reentrant
       activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
@@ -359,6 +378,7 @@ class DataParallel(torch.nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._announced = None  # the last forward's announcement to the ranks that have joined
         self._step_announced = None  # ... that of the forward whose backward synchronizes next
+        self._shadowed = False  # the last synchronized step ran while a rank had joined
         self._prescale = 1.0 / self.process_group.size()  # the factor of this step's all-reduces
         self._shadow = None  # a joined rank's zero buckets
         # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
@@ -401,6 +421,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._abandon_step()  # the last backward raised before its end
         broadcasts = self._broadcasts_buffers()
         if self._join_config.enable:
+            self._check_one_backward_per_forward()  # before any collective of this forward
             Join.notify_join_context(self)
             self._announced = self._announce(joined=False, broadcasts=broadcasts)
         if torch.is_grad_enabled():
@@ -465,8 +486,8 @@ class DataParallel(torch.nn.Module, Joinable):
         False turns it off. Another collective in the loop (SyncBatchNorm, a metric's all-reduce)
         is not shadowed: use ``throw_on_early_termination=True`` there.
         """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return _Join([self], enable, throw_on_early_termination,
+                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> JoinHook:
         """The hook with which ``torch.distributed.algorithms.join.Join`` makes a rank that has run out
@@ -481,29 +502,44 @@ class DataParallel(torch.nn.Module, Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
+    def _check_one_backward_per_forward(self):
+        """Under join(), while a rank has joined, it shadows one backward per synchronized forward."""
+        if not (torch.is_grad_enabled() and self._sync):
+            return
+        previous, self._step_announced = self._step_announced, None
+        if previous is not None and len(previous.active) < self.process_group.size():
+            raise RuntimeError("gradsync.DataParallel under join(): a synchronized forward followed another whose "
+                               "backward did not run (or raised) while a rank had joined, and that rank waits to "
+                               "shadow it. Run other forwards under torch.no_grad() or no_sync()")
+
     def _announce(self, joined, broadcasts=False):
         """Under join(), before a forward's own communication: tells the ranks that have joined (they
-        send zeros) whether this forward broadcasts buffers and whether its backward synchronizes,
-        and every rank which ranks still train."""
+        send zeros) whether this forward broadcasts buffers, whether its backward synchronizes and
+        whether it ran with gradients, and every rank which ranks still train."""
         group = self.process_group
-        flags = torch.zeros(2 + group.size())
+        flags = torch.zeros(3 + group.size())
         sync = not joined and torch.is_grad_enabled() and self._sync
-        if sync and self._step_announced is not None:
-            raise RuntimeError("gradsync.DataParallel under join(): a synchronized forward followed another before "
-                               "its backward; the ranks that have joined shadow one backward per synchronized forward. "
-                               "Run the other forward under torch.no_grad() or no_sync(), or call backward in between")
         if not joined:
-            flags[0], flags[1], flags[2 + group.rank()] = float(sync), float(broadcasts), 1.0
+            flags[0], flags[1], flags[2] = float(sync), float(broadcasts), float(torch.is_grad_enabled())
+            flags[3 + group.rank()] = 1.0
         flags = flags.to(self._device)
         announced = _Announcement(dist.all_reduce(flags, group=group, async_op=True), flags, group)
         if sync:
             self._step_announced = announced
         return announced
 
+    def _leave_join(self):
+        """The join context's end: forwards announce nothing more."""
+        self._join_config = type(self._join_config).construct_disabled_join_config()
+        self._announced = self._step_announced = self._shadow = None
+        self._shadowed = False
+
     def _shadow_iteration(self):
         """A joined rank's part in the others' forward and backward, as their announcement says."""
         self._check_parameters()
         announced = self._announce(joined=True)
+        if announced.with_grad:  # the others' next forward broadcasts buffers, or not, as this one's does
+            self._forward_synced = announced.synchronizes
         if announced.broadcasts:
             self._broadcast(self._buffers_seen, announced.source)
         if not announced.synchronizes:
@@ -522,7 +558,7 @@ class DataParallel(torch.nn.Module, Joinable):
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
         states = list(self.module.parameters()) + (list(self.module.buffers()) if self.broadcast_buffers else [])
         self._broadcast(states, dist.get_global_rank(group, int(last.item())))
-        self._shadow = None
+        self._leave_join()
 
     def _on_grad(self, param):
         if param.grad is not None and param.grad.layout != torch.strided:
@@ -536,12 +572,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._used.add(id(param))
             return
         if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            ranks = self.process_group.size()
-            if self._step_announced is not None and not self._divide_by_initial_world_size:
-                ranks = len(self._step_announced.active)
-            self._prescale = 1.0 / ranks
+            self._start_step()
             for b in self._buckets:  # a parameter frozen since wrapping, or not reached, gets none to wait for
                 b.expected = sum(1 for p in b.params if p.requires_grad and self._reaches(p))
         if id(param) in self._arrived:  # accumulated again within the step: a nested (reentrant) backward
@@ -564,6 +595,22 @@ class DataParallel(torch.nn.Module, Joinable):
         bucket.ready += 1
         self._issue(force=False)
 
+    def _start_step(self):
+        ranks = self.process_group.size()
+        announced, self._step_announced = self._step_announced, None  # this step's: one per forward
+        if self._join_config.enable:
+            if announced is None and self._shadowed:
+                raise RuntimeError("gradsync.DataParallel under join(): a second synchronized backward of one forward "
+                                   "(reentrant activation checkpointing, or backward(retain_graph=True) run again) "
+                                   "while a rank has joined, which shadows one backward per forward. Use "
+                                   "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+            self._shadowed = announced is not None and len(announced.active) < ranks
+            if announced is not None and not self._divide_by_initial_world_size:
+                ranks = len(announced.active)
+        self._prescale = 1.0 / ranks
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
     def _reaches(self, param):
         return self._reached is None or id(param) in self._reached
 
@@ -585,7 +632,6 @@ class DataParallel(torch.nn.Module, Joinable):
                         bucket.buffer.zero_()
                     self._arrived -= {id(p) for p in bucket.params}
         self._abandoned |= self._arrived
-        self._step_announced = None
         self._reset()
 
     def _reset(self):
@@ -666,7 +712,6 @@ class DataParallel(torch.nn.Module, Joinable):
         except BaseException:
             self._abandon_step()
             raise
-        self._step_announced = None
         self._used.clear()
         self._abandoned.clear()
         self._reset()

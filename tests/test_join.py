@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_hooks import batch, make_net, params_of, relative, wrap
+from distributed_harness import World
+from test_hooks import Segments, batch, make_net, params_of, relative, wrap
 
 
 class BatchNormNet(torch.nn.Module):
@@ -112,14 +113,70 @@ def terminate_early(rank, size):
     return steps, None
 
 
-def two_forwards(rank, size):
-    model = wrap(BatchNormNet(), "dp:none")
-    x, y = batch(rank, 0)
-    with pytest.raises(RuntimeError, match="followed another before its backward"):
+def epochs_after_an_uneven_one(rank, size):
+    """An epoch in which rank 1 runs out inside an accumulation (its last forward in no_sync()),
+    an even one after it, a forward that raises on every rank (caught), and an evaluation on rank 0
+    alone once the context is over: every rank must come through and agree."""
+    model = wrap(BatchNormNet(), "dp:fp16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plans = ([(0, 1), (2, 3), (4,)], [(0, 1), (2, None)])  # micro-batches per step; None: out of data
+    for epoch, steps in enumerate((plans[rank] if rank < 2 else plans[0], [(5,), (6,)])):
         with model.join():
-            model(x)
-            model(x)
-    return True
+            for step in steps:
+                opt.zero_grad()
+                for i, m in enumerate(step):
+                    if m is None:
+                        break
+                    x, y = batch(rank, 10 * epoch + m)
+                    with model.no_sync() if i < len(step) - 1 else contextlib.nullcontext():
+                        F.mse_loss(model(x), y).backward()
+                opt.step()
+            if epoch == 1:  # every rank alike, none joined: these are harmless
+                with pytest.raises(RuntimeError, match="shape"):
+                    model(torch.ones(4, 3))
+                F.mse_loss(model(batch(rank, 99)[0]), batch(rank, 99)[1]).backward()
+                model(batch(rank, 98)[0])  # a forward without its backward
+                F.mse_loss(model(batch(rank, 97)[0]), batch(rank, 97)[1]).backward()
+    joined = state_of(model)
+    if rank == 0:
+        with torch.no_grad():
+            model.eval()(batch(0, 0)[0])  # no collective after the context
+        model.train()
+    F.mse_loss(model(batch(rank, 7)[0]), batch(rank, 7)[1]).backward()
+    return joined, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_epochs_after_an_uneven_one(worlds):
+    results = worlds(3).run(epochs_after_an_uneven_one)
+    for joined, grads in results:
+        assert torch.equal(joined, results[0][0]) and torch.equal(grads, results[0][1])
+
+
+def misuse_with_a_joined_rank(rank, size, case):
+    """Rank 0 has no batch; rank 1 breaks the one-backward-per-forward rule. Returns what each raised."""
+    model = wrap(Segments(case == "reentrant"), "dp:none")
+    x = batch(rank, 0)[0].requires_grad_()
+    try:
+        with model.join():
+            if rank == 1:
+                if case == "two_forwards":
+                    model(x)
+                model(x)["loss"].backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["two_forwards", "reentrant"])
+def test_misuse_under_join_raises_where_it_happens_and_times_out_elsewhere(case):
+    world = World(2, group_timeout_s=5)  # the joined rank waits out the group's timeout
+    try:
+        errors = world.run(misuse_with_a_joined_rank, case, timeout=120)
+    finally:
+        world.close()
+    words = "followed another whose backward did not run" if case == "two_forwards" else "second synchronized backward"
+    assert words in errors[1]
+    assert errors[0] is not None
 
 
 def test_join_raising(worlds):
@@ -127,6 +184,5 @@ def test_join_raising(worlds):
     assert [steps for steps, _ in results] == [2, 2, 2]
     assert "exhausted all inputs" in results[0][1]
     assert all("exhausted inputs" in message for _, message in results[1:])
-    assert all(worlds(3).run(two_forwards))
     results = worlds(3).run(train_uneven, ["dp:none"], (2, 2, 2), 1, True)  # the group is still in step
     assert all(torch.equal(r["dp:none"], results[0]["dp:none"]) for r in results)
