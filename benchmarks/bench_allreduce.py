@@ -241,7 +241,37 @@ def accuracy(device, numel=1 << 20):
             x = original.clone()
             fn(x)
             rows.append({"ranks": n, "impl": name, "error": relative_error(x, reference, group)})
+        chunk, r = numel // n, dist.get_rank(group)
+        mine = reference[r * chunk:(r + 1) * chunk]
+        for name, fn in scatter_implementations(n, group).items():
+            rows.append({"ranks": n, "impl": name, "error": relative_error(fn(original[:chunk * n]), mine, group)})
     return rows
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+
+
+def scatter_implementations(n, group):
+    """Reduce-scatters of fp32 gradients into a fresh shard (FSDP2's gradient reduction): torch's in a
+    16-bit reduce_dtype (the cast, a sum in that dtype at every hop, the division in it) and gradsync's
+    rings with 16- and 8-bit wires (fp32 sums)."""
+    def torch_in(dtype):
+        def run(x):
+            out = torch.empty(x.numel() // n, dtype=dtype, device=x.device)
+            _reduce_scatter(out, x.to(dtype), group=group)
+            return out.div_(n).float()
+        return run
+
+    def gradsync_on(codec):
+        def run(x):
+            out = torch.empty(x.numel() // n, device=x.device)
+            gradsync.reduce_scatter(out, x, codec=codec, group=group)
+            return out
+        return run
+    impls = {"reduce-scatter: torch bf16": torch_in(torch.bfloat16), "reduce-scatter: torch fp16": torch_in(torch.float16)}
+    for codec in ("none", "bf16", "fp16", "fp8_e4m3"):
+        impls[f"reduce-scatter: gradsync {codec}"] = gradsync_on(codec)
+    return impls
 
 
 def main():
