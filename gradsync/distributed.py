@@ -250,9 +250,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     ``output.numel()`` elements end to end, and rank r's ``output`` becomes the reduction of chunk r.
 
     The first half of :func:`all_reduce`'s ring, n-1 hops: the wire carries ``codec``, every hop
-    sums in fp32, and each rank's reduced chunk is encoded once and decoded into ``output`` (so
-    ``output`` holds what :func:`all_reduce` would leave in that chunk, up to the order of the
-    fp32 sums). ``op``, ``codec``, ``prescale``/``postscale``, ``async_op``, ``check_call`` and
+    sums in fp32, and each rank's reduced chunk is encoded once and decoded into ``output``: the
+    numerics of :func:`all_reduce`, though not its bits (the fp32 sums run in another order, and
+    fp8 blocks start at the chunk's first element rather than on multiples of 128). ``op``, ``codec``, ``prescale``/``postscale``, ``async_op``, ``check_call`` and
     ``residual`` (here with ``input``'s numel) as for :func:`all_reduce`. ``input`` is only
     read; ``output`` may be this rank's own chunk of it (in place), or memory of its own.
     """

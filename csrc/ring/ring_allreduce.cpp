@@ -116,12 +116,13 @@ void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
 }
 
 void compare_ring_calls(const RingCall* table, int n) {
+  const std::string op = table[0].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce";
   std::ostringstream unprepared;
   for (int i = 0; i < n; ++i) {
     if (table[i].unprepared) unprepared << (unprepared.tellp() ? ", " : "") << i;
   }
   if (unprepared.tellp()) {
-    throw std::invalid_argument("gradsync.all_reduce: rank(s) " + unprepared.str() + " could not prepare the call "
+    throw std::invalid_argument(op + ": rank(s) " + unprepared.str() + " could not prepare the call "
                                 "(allocating its workspaces, for one) and raise the reason there; no rank has "
                                 "written anything");
   }
@@ -141,8 +142,7 @@ void compare_ring_calls(const RingCall* table, int n) {
     }
   }
   if (!diff.str().empty()) {
-    throw std::invalid_argument(std::string(table[0].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce") +
-                                ": the ranks disagree on the call:" + diff.str() +
+    throw std::invalid_argument(op + ": the ranks disagree on the call:" + diff.str() +
                                 " every rank must pass the same numel, dtype, codec and scaling");
   }
 }
