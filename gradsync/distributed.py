@@ -209,21 +209,12 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     timeout passed) the tensor's and the residual's contents are unspecified, and later calls on the
     group raise.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"tensor has dtype {tensor.dtype}; gradsync.all_reduce takes float32, float16 or bfloat16")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor is on {tensor.device}; gradsync.all_reduce takes CPU or CUDA tensors")
+    _check_tensor(tensor, "tensor", "all_reduce")
     _check_codec(codec)
     if residual is not None:
         _check_residual(residual, tensor)
     group = _resolve_group(group)
-    if not tensor.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
-        raise ValueError("tensor is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it to "
-                         "this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    _check_backend(tensor, "tensor", group)
     prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
     handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
     if async_op:
@@ -236,10 +227,30 @@ def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
     """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
     any factor (gradsync.DataParallel averages over the ranks still training under ``join()``)."""
     engine = _engine(group, tensor)
-    slice_bytes = NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
-    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes, residual,
-                             DIRECT_BYTES)
+    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
+                             _slice_bytes(engine, tensor), residual, DIRECT_BYTES)
     return AllReduceWork(work, tensor)
+
+
+def _check_tensor(t, name, caller):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; gradsync.{caller} takes float32, float16 or bfloat16")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {t.device}; gradsync.{caller} takes CPU or CUDA tensors")
+
+
+def _check_backend(t, name, group):
+    if not t.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
+        raise ValueError(f"{name} is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it "
+                         "to this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+
+
+def _slice_bytes(engine, tensor):
+    return NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
@@ -256,15 +267,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     ``residual`` (here with ``input``'s numel) as for :func:`all_reduce`. ``input`` is only
     read; ``output`` may be this rank's own chunk of it (in place), or memory of its own.
     """
-    for name, t in (("output", output), ("input", input)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; gradsync.reduce_scatter takes float32, float16 or bfloat16")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name} is on {t.device}; gradsync.reduce_scatter takes CPU or CUDA tensors")
+    _check_tensor(output, "output", "reduce_scatter")
+    _check_tensor(input, "input", "reduce_scatter")
     if output.dtype != input.dtype or output.device != input.device:
         raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on {input.device}) "
                          "must have one dtype and device")
@@ -283,14 +287,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
                 input.data_ptr() < output.data_ptr() + output.numel() * size:
             raise ValueError("output overlaps input other than as this rank's own chunk of it "
                              f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
-    if not input.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
-        raise ValueError("input is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it to "
-                         "this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    _check_backend(input, "input", group)
     prescale, postscale = resolve_scales(op, n, prescale, postscale)
     engine = _engine(group, input)
-    slice_bytes = NCCL_SLICE_BYTES if input.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
-    work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), slice_bytes,
-                                 residual)
+    work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
+                                 _slice_bytes(engine, input), residual)
     handle = AllReduceWork(work, output)
     if async_op:
         return handle
