@@ -260,12 +260,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     ``torch.distributed.reduce_scatter_tensor`` does: ``input`` holds ``group.size()`` chunks of
     ``output.numel()`` elements end to end, and rank r's ``output`` becomes the reduction of chunk r.
 
-    The first half of :func:`all_reduce`'s ring, n-1 hops: the wire carries ``codec``, every hop
-    sums in fp32, and each rank's reduced chunk is encoded once and decoded into ``output``: the
-    numerics of :func:`all_reduce`, though not its bits (the fp32 sums run in another order, and
-    fp8 blocks start at the chunk's first element rather than on multiples of 128). ``op``, ``codec``, ``prescale``/``postscale``, ``async_op``, ``check_call`` and
-    ``residual`` (here with ``input``'s numel) as for :func:`all_reduce`. ``input`` is only
-    read; ``output`` may be this rank's own chunk of it (in place), or memory of its own.
+    The first half of :func:`all_reduce`'s ring, n-1 hops: the wire carries ``codec`` and every
+    hop sums in fp32. The last hop, on the rank that owns the chunk, writes its fp32 sum (times
+    ``postscale``) straight into ``output``: the reduced chunk goes on no wire, so it is never
+    encoded, and only the n-1 partial sums the peers sent are rounded to the codec, one rounding
+    fewer than :func:`all_reduce` (at world size 1, none). ``op``, ``codec``,
+    ``prescale``/``postscale``, ``async_op``, ``check_call`` and ``residual`` (here with
+    ``input``'s numel; a rank's residual over its own chunk becomes 0, as it encodes none of it) as
+    for :func:`all_reduce`. ``input`` is only read; ``output`` may be this rank's own chunk of it
+    (in place), or memory of its own.
     """
     _check_tensor(output, "output", "reduce_scatter")
     _check_tensor(input, "input", "reduce_scatter")

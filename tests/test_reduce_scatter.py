@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import gradsync
 from distributed_harness import World
+from gradsync.distributed import resolve_scales
 from test_allreduce import DTYPES, digest, error_ratio, rank_input, same_bits_up_to_nan_payload
 
 
@@ -37,6 +38,47 @@ def test_reduce_scatter_matches_fp64_for_every_codec_dtype_and_op(worlds, size):
              for op in ("avg", "sum") if c < 2**16 or dtype == "float32"]
     for case, (ratio, _) in ((case, v) for r in worlds(size).run(scatter_cases, cases) for case, v in r.items()):
         assert ratio <= 1.0, f"{case}: error {ratio:.3g} x the bound"
+
+
+def last_hop_sums(rank, size):
+    """Per case, whether this rank's result has exactly the bits of its chunk's sum in fp32, with
+    only the peers' hops rounded to the codec: two ranks, so the peer's encoded part plus this
+    rank's, scaled and cast to the dtype once; one rank, the input scaled. With error feedback the
+    sum takes each rank's residual, and this rank's residual over its own chunk, which it never
+    encodes, becomes 0."""
+    chunk, peer = 3 * 2048 + 77, 1 - rank
+    prescale, postscale = resolve_scales("avg", size)
+    exact = {}
+    for codec in gradsync.CODECS:
+        for dtype_name, dtype in DTYPES.items():
+            for feedback in (False, True) if dtype_name == "float32" else (False,):
+                xs = [rank_input(r, chunk * size, dtype, seed=21) for r in range(size)]
+                res = [rank_input(r, chunk * size, torch.float32, seed=22) * 1e-3 for r in range(size)]
+                mine = slice(rank * chunk, (rank + 1) * chunk)
+                residual = res[rank].clone() if feedback else None
+                out = torch.empty(chunk, dtype=dtype)
+                gradsync.reduce_scatter(out, xs[rank], codec=codec, residual=residual)
+                total = xs[rank][mine].float() * prescale
+                if size == 2:
+                    sent = xs[peer][mine].float() * prescale
+                    if feedback:
+                        sent = sent + res[peer][mine]
+                    payload = gradsync.compress(sent.to(dtype) if codec == "none" else sent, codec)  # "none": the dtype
+                    total = gradsync.decompress(payload, codec, chunk) + total
+                if feedback:
+                    total = total + res[rank][mine]
+                expected = (total * postscale).to(dtype)
+                ok = same_bits_up_to_nan_payload(out, expected)
+                if feedback:
+                    ok = ok and bool((residual[mine] == 0).all())
+                exact[(codec, dtype_name, feedback)] = ok
+    return exact
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_reduce_scatter_rounds_only_the_hops_to_its_peers(worlds, size):
+    for exact in worlds(size).run(last_hop_sums):
+        assert all(exact.values()), [case for case, ok in exact.items() if not ok]
 
 
 def in_flight_and_subgroups(rank, size):
@@ -168,13 +210,17 @@ def test_reduce_scatter_on_one_gpu_matches_the_cpu_ring_bitwise(worlds, size):
 
 
 def nccl_scatter_of_one(rank, size):
+    """At world size one nothing goes on a wire, so the result is the input, and a residual is paid
+    in whole."""
     same = {}
     for codec in gradsync.CODECS:
         x = rank_input(rank, 100003, torch.float32, seed=14)
-        expected = gradsync.decompress(gradsync.compress(x, codec), codec, x.numel())
         out = torch.empty(x.numel(), device="cuda")
         gradsync.reduce_scatter(out, x.cuda(), codec=codec)
-        same[codec] = torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
+        same[codec] = torch.equal(out.cpu().view(torch.uint8), x.view(torch.uint8))
+        residual = torch.full_like(x, 0.25).cuda()
+        gradsync.reduce_scatter(out, x.cuda(), codec=codec, residual=residual)
+        same[codec + "+ef"] = torch.equal(out.cpu(), x + 0.25) and not residual.any()
     same["nccl"] = gradsync.distributed._engines[dist.distributed_c10d._get_default_group()].nccl_device == 0
     return same
 

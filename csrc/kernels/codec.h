@@ -51,6 +51,15 @@ void reduce_cast_feedback_cpu(const void* in, DType wire, const void* local, DTy
 void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
                                     int64_t n, float prescale, float* residual, uint8_t* out);
 
+// A reduce-scatter's last hop, whose sum is this rank's result and goes on no wire: sum =
+// [decode(in) +] local * prescale [+ residual], each addition as in the kernels above (in and
+// residual may be null); out = cast<local_dtype>(sum * postscale). Nothing is encoded, so nothing is
+// lost to feed back: a residual becomes 0. out may be local itself.
+void reduce_decode_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n, float prescale,
+                       float postscale, float* residual, void* out);
+void fp8_reduce_decode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
+                           float prescale, float postscale, float* residual, void* out);
+
 // Contiguous scale-and-cast: dst[i] = cast<dst_dtype>(float(src[i]) * scale). Large results bypass
 // the cache (non-temporal stores) unless `cache_result`: say so for a result that is read at once,
 // such as a payload about to be sent.
@@ -81,6 +90,11 @@ cudaError_t reduce_cast_feedback_cuda(const void* in, DType wire, const void* lo
 cudaError_t fp8_reduce_encode_feedback_cuda(Fp8Format format, const uint8_t* in, const void* local,
                                             DType local_dtype, int64_t n, float prescale, float* residual,
                                             uint8_t* out, cudaStream_t stream);
+cudaError_t reduce_decode_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                               float prescale, float postscale, float* residual, void* out, cudaStream_t stream);
+cudaError_t fp8_reduce_decode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                   int64_t n, float prescale, float postscale, float* residual, void* out,
+                                   cudaStream_t stream);
 // Every kernel of the functions above, loaded now (see load_kernels in cuda_common.h).
 cudaError_t load_cast_kernels();
 cudaError_t load_fp8_kernels();

@@ -788,6 +788,18 @@ GS_ALWAYS_INLINE void fp8_decode_loop(const uint8_t* payload, int64_t n, float s
   if (stream) Isa::fence();
 }
 
+// The decoded values of a payload of n elements' elements [begin, begin + len), begin a multiple of
+// the block.
+template <Fp8Format F, class Isa>
+GS_ALWAYS_INLINE void fp8_values_loop(const uint8_t* payload, int64_t n, int64_t begin, int64_t len, float* out) {
+  const uint8_t* scale_bytes = payload + fp8_scales_offset(n);
+  for (int64_t at = 0; at < len; at += kFp8BlockSize) {
+    float decode_scale;
+    std::memcpy(&decode_scale, scale_bytes + 4 * ((begin + at) / kFp8BlockSize), 4);
+    Isa::template values<F>(payload + begin + at, std::min(kFp8BlockSize, len - at), decode_scale, out + at);
+  }
+}
+
 #ifdef GS_HAVE_X86
 #define GS_DISPATCH(loop, ...)                                                  \
   if (use_avx2()) return loop##_avx2<F>(__VA_ARGS__);                          \
@@ -808,6 +820,8 @@ GS_ISA_ENTRY(fp8_reduce_encode, (const uint8_t* in, const void* local, DType lt,
              (in, local, lt, n, prescale, residual, out))
 GS_ISA_ENTRY(fp8_decode, (const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1),
              (payload, n, scale, dst, dt, b0, b1))
+GS_ISA_ENTRY(fp8_values, (const uint8_t* payload, int64_t n, int64_t begin, int64_t len, float* out),
+             (payload, n, begin, len, out))
 
 template <Fp8Format F>
 void fp8_encode_blocks(const void* src, DType st, int64_t n, float scale, uint8_t* payload, int64_t b0, int64_t b1) {
@@ -821,8 +835,32 @@ void fp8_reduce_encode_blocks(const uint8_t* in, const void* local, DType lt, in
 }
 
 template <Fp8Format F>
+void fp8_values_blocks(const uint8_t* payload, int64_t n, int64_t begin, int64_t len, float* out) {
+  GS_DISPATCH(fp8_values, payload, n, begin, len, out);
+}
+
+template <Fp8Format F>
 void fp8_decode_blocks(const uint8_t* payload, int64_t n, float scale, void* dst, DType dt, int64_t b0, int64_t b1) {
   GS_DISPATCH(fp8_decode, payload, n, scale, dst, dt, b0, b1);
+}
+
+// The reduce-decode kernels work through their elements in pieces this long, so that the sums stay
+// in the L1 cache between the passes over them; a multiple of the fp8 block.
+constexpr int64_t kReducePiece = 16 * kFp8BlockSize;
+
+// One piece of a reduce-decode: sum[0, len) holds decode(in) of the piece where `decoded`; then
+// sum = [sum +] local * prescale [+ residual] and out = cast<lt>(sum * postscale).
+void reduce_decoded_piece(bool decoded, const void* local, DType lt, int64_t len, float prescale, float postscale,
+                          float* residual, float* sum, void* out) {
+  if (residual) {
+    // an fp32 "encoding" of the sum loses nothing: the residual becomes sum - sum = 0 (0 where not finite)
+    reduce_cast_feedback_cpu(decoded ? sum : nullptr, DType::kFloat32, local, lt, len, prescale, residual, sum);
+  } else if (decoded) {
+    reduce_cast_cpu(sum, DType::kFloat32, local, lt, len, prescale, sum);
+  } else {
+    convert_cpu(local, lt, sum, DType::kFloat32, len, prescale, /*cache_result=*/true);
+  }
+  convert_cpu(sum, DType::kFloat32, out, lt, len, postscale);
 }
 
 }  // namespace
@@ -880,6 +918,33 @@ void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const v
     fp8_reduce_encode_blocks<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, residual, out);
   } else {
     fp8_reduce_encode_blocks<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, residual, out);
+  }
+}
+
+void reduce_decode_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n, float prescale,
+                       float postscale, float* residual, void* out) {
+  alignas(32) float sum[kReducePiece];
+  const int size = dtype_size(local_dtype);
+  for (int64_t at = 0; at < n; at += kReducePiece) {
+    const int64_t len = std::min(kReducePiece, n - at);
+    // decoding a 16-bit or fp32 wire into fp32 is exact
+    if (in) convert_cpu(static_cast<const char*>(in) + at * dtype_size(wire), wire, sum, DType::kFloat32, len, 1.0f, true);
+    reduce_decoded_piece(in != nullptr, static_cast<const char*>(local) + at * size, local_dtype, len, prescale,
+                         postscale, residual ? residual + at : nullptr, sum, static_cast<char*>(out) + at * size);
+  }
+}
+
+void fp8_reduce_decode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,
+                           float prescale, float postscale, float* residual, void* out) {
+  if (!in) return reduce_decode_cpu(nullptr, DType::kFloat32, local, local_dtype, n, prescale, postscale, residual, out);
+  alignas(32) float sum[kReducePiece];
+  const int size = dtype_size(local_dtype);
+  for (int64_t at = 0; at < n; at += kReducePiece) {
+    const int64_t len = std::min(kReducePiece, n - at);
+    if (format == Fp8Format::kE4M3) fp8_values_blocks<Fp8Format::kE4M3>(in, n, at, len, sum);
+    else fp8_values_blocks<Fp8Format::kE5M2>(in, n, at, len, sum);
+    reduce_decoded_piece(true, static_cast<const char*>(local) + at * size, local_dtype, len, prescale, postscale,
+                         residual ? residual + at : nullptr, sum, static_cast<char*>(out) + at * size);
   }
 }
 

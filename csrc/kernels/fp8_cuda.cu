@@ -1,4 +1,5 @@
-// Block-scaled fp8 codec on CUDA: one warp per block of kFp8BlockSize elements. Same semantics
+// Block-scaled fp8 codec on CUDA: one warp per block of kFp8BlockSize elements where a block is
+// encoded, one thread per element where it is only decoded. Same semantics
 // and bits as fp8_encode_cpu / fp8_decode_cpu (codec.h, numerics.h).
 #include <algorithm>
 
@@ -130,6 +131,24 @@ __global__ void __launch_bounds__(kThreads) fp8_decode_kernel(const uint8_t* pay
   }
 }
 
+// A reduce-scatter's last hop (codec.h, fp8_reduce_decode_cpu), one thread per element: decoding
+// needs no block-wide absmax.
+template <Fp8Format F, DType L, bool kResidual>
+__global__ void __launch_bounds__(kThreads) fp8_reduce_decode_kernel(const uint8_t* in, const void* local, int64_t n,
+                                                                     float prescale, float postscale, float* residual,
+                                                                     void* out) {
+  const float* scales = reinterpret_cast<const float*>(in + fp8_scales_offset(n));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float sum = hop_sum(fp8_to_float<F>(in[i]) * scales[i / kFp8BlockSize], load_one<L>(local, i) * prescale);
+    if constexpr (kResidual) {
+      sum = hop_sum(sum, residual[i]);
+      residual[i] = 0.0f;  // nothing was encoded, so nothing was lost
+    }
+    store_one<L>(out, i, sum * postscale);
+  }
+}
+
 unsigned grid_for(int64_t work_items, int items_per_block) {
   const int64_t blocks = (work_items + items_per_block - 1) / items_per_block;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, max_resident_blocks(kThreads))));
@@ -191,13 +210,36 @@ cudaError_t reduce_encode_feedback(const uint8_t* in, const void* local, DType l
   return cudaGetLastError();
 }
 
+template <Fp8Format F, DType L>
+void reduce_decode_local(const uint8_t* in, const void* local, int64_t n, float prescale, float postscale,
+                         float* residual, void* out, cudaStream_t stream) {
+  const unsigned grid = grid_for(n, kThreads);
+  if (residual) {
+    fp8_reduce_decode_kernel<F, L, true><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, postscale, residual, out);
+  } else {
+    fp8_reduce_decode_kernel<F, L, false><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, postscale, residual, out);
+  }
+}
+
+template <Fp8Format F>
+cudaError_t reduce_decode(const uint8_t* in, const void* local, DType lt, int64_t n, float prescale, float postscale,
+                          float* residual, void* out, cudaStream_t stream) {
+  switch (lt) {
+    case DType::kFloat32: reduce_decode_local<F, DType::kFloat32>(in, local, n, prescale, postscale, residual, out, stream); break;
+    case DType::kFloat16: reduce_decode_local<F, DType::kFloat16>(in, local, n, prescale, postscale, residual, out, stream); break;
+    default: reduce_decode_local<F, DType::kBFloat16>(in, local, n, prescale, postscale, residual, out, stream); break;
+  }
+  return cudaGetLastError();
+}
+
 template <Fp8Format F>
 cudaError_t load_format() {
   return for_each_dtype([](auto t) {
     constexpr DType T = decltype(t)::value;
     return load_kernels(fp8_encode_kernel<F, T>, fp8_reduce_encode_kernel<F, T>,
                         fp8_reduce_encode_feedback_kernel<F, T, true>, fp8_reduce_encode_feedback_kernel<F, T, false>,
-                        fp8_decode_kernel<F, T>);
+                        fp8_decode_kernel<F, T>, fp8_reduce_decode_kernel<F, T, true>,
+                        fp8_reduce_decode_kernel<F, T, false>);
   });
 }
 
@@ -220,6 +262,16 @@ cudaError_t fp8_reduce_encode_cuda(Fp8Format format, const uint8_t* in, const vo
   return format == Fp8Format::kE4M3
              ? reduce_encode<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, out, stream)
              : reduce_encode<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, out, stream);
+}
+
+cudaError_t fp8_reduce_decode_cuda(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype,
+                                   int64_t n, float prescale, float postscale, float* residual, void* out,
+                                   cudaStream_t stream) {
+  if (!in) return reduce_decode_cuda(nullptr, DType::kFloat32, local, local_dtype, n, prescale, postscale, residual, out, stream);
+  if (n == 0) return cudaSuccess;
+  return format == Fp8Format::kE4M3
+             ? reduce_decode<Fp8Format::kE4M3>(in, local, local_dtype, n, prescale, postscale, residual, out, stream)
+             : reduce_decode<Fp8Format::kE5M2>(in, local, local_dtype, n, prescale, postscale, residual, out, stream);
 }
 
 cudaError_t fp8_encode_cuda(Fp8Format format, const void* src, DType src_dtype, int64_t n, float scale,

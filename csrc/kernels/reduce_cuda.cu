@@ -1,5 +1,6 @@
-// Element-wise kernels of the ring for the cast codecs, twins of convert_cpu, reduce_cast_cpu and
-// reduce_cast_feedback_cpu: out = cast(src * scale) and out = cast<wire>(in + local * prescale), in fp32.
+// Element-wise kernels of the ring for the cast codecs, twins of convert_cpu, reduce_cast_cpu,
+// reduce_cast_feedback_cpu and reduce_decode_cpu: out = cast(src * scale),
+// out = cast<wire>(in + local * prescale) and the reduce-scatter's last hop, in fp32.
 #include <algorithm>
 
 #include "codec.h"
@@ -36,6 +37,24 @@ __global__ void __launch_bounds__(kThreads) reduce_cast_feedback_kernel(const vo
     const float mine = load_one<L>(local, i) * prescale;
     const float sum = hop_sum(kIn ? hop_sum(load_one<W>(in, i), mine) : mine, residual[i]);
     residual[i] = feedback_residual(sum, store_one<W>(out, i, sum));
+  }
+}
+
+// A reduce-scatter's last hop (codec.h, reduce_decode_cpu): the sum is cast to the result's dtype,
+// never encoded. kIn false: no incoming payload (in == nullptr, W unused).
+template <DType W, DType L, bool kIn, bool kResidual>
+__global__ void __launch_bounds__(kThreads) reduce_decode_kernel(const void* in, const void* local, int64_t n,
+                                                                 float prescale, float postscale, float* residual,
+                                                                 void* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float sum = load_one<L>(local, i) * prescale;
+    if constexpr (kIn) sum = hop_sum(load_one<W>(in, i), sum);
+    if constexpr (kResidual) {
+      sum = hop_sum(sum, residual[i]);
+      residual[i] = 0.0f;  // nothing was encoded, so nothing was lost
+    }
+    store_one<L>(out, i, sum * postscale);
   }
 }
 
@@ -82,6 +101,28 @@ void launch_feedback(const void* in, const void* local, DType lt, int64_t n, flo
   }
 }
 
+template <DType W, DType L, bool kIn>
+void launch_reduce_decode_in(const void* in, const void* local, int64_t n, float prescale, float postscale,
+                             float* residual, void* out, cudaStream_t stream) {
+  const unsigned grid = grid_for(n);
+  if (residual) {
+    reduce_decode_kernel<W, L, kIn, true><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, postscale, residual, out);
+  } else {
+    reduce_decode_kernel<W, L, kIn, false><<<grid, kThreads, 0, stream>>>(in, local, n, prescale, postscale, residual, out);
+  }
+}
+
+template <DType L>
+void launch_reduce_decode(const void* in, DType wire, const void* local, int64_t n, float prescale, float postscale,
+                          float* residual, void* out, cudaStream_t stream) {
+  if (!in) return launch_reduce_decode_in<DType::kFloat32, L, false>(in, local, n, prescale, postscale, residual, out, stream);
+  switch (wire) {
+    case DType::kFloat32: return launch_reduce_decode_in<DType::kFloat32, L, true>(in, local, n, prescale, postscale, residual, out, stream);
+    case DType::kFloat16: return launch_reduce_decode_in<DType::kFloat16, L, true>(in, local, n, prescale, postscale, residual, out, stream);
+    default: return launch_reduce_decode_in<DType::kBFloat16, L, true>(in, local, n, prescale, postscale, residual, out, stream);
+  }
+}
+
 }  // namespace
 
 cudaError_t load_cast_kernels() {
@@ -89,7 +130,9 @@ cudaError_t load_cast_kernels() {
     return for_each_dtype([](auto l) {
       constexpr DType W = decltype(w)::value, L = decltype(l)::value;
       return load_kernels(reduce_cast_kernel<W, L>, convert_kernel<W, L>, reduce_cast_feedback_kernel<W, L, true>,
-                          reduce_cast_feedback_kernel<W, L, false>);
+                          reduce_cast_feedback_kernel<W, L, false>, reduce_decode_kernel<W, L, true, false>,
+                          reduce_decode_kernel<W, L, true, true>, reduce_decode_kernel<DType::kFloat32, L, false, false>,
+                          reduce_decode_kernel<DType::kFloat32, L, false, true>);
     });
   });
 }
@@ -123,6 +166,17 @@ cudaError_t reduce_cast_feedback_cuda(const void* in, DType wire, const void* lo
     case DType::kFloat32: launch_feedback<DType::kFloat32>(in, local, local_dtype, n, prescale, residual, out, stream); break;
     case DType::kFloat16: launch_feedback<DType::kFloat16>(in, local, local_dtype, n, prescale, residual, out, stream); break;
     default: launch_feedback<DType::kBFloat16>(in, local, local_dtype, n, prescale, residual, out, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_decode_cuda(const void* in, DType wire, const void* local, DType local_dtype, int64_t n,
+                               float prescale, float postscale, float* residual, void* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (local_dtype) {
+    case DType::kFloat32: launch_reduce_decode<DType::kFloat32>(in, wire, local, n, prescale, postscale, residual, out, stream); break;
+    case DType::kFloat16: launch_reduce_decode<DType::kFloat16>(in, wire, local, n, prescale, postscale, residual, out, stream); break;
+    default: launch_reduce_decode<DType::kBFloat16>(in, wire, local, n, prescale, postscale, residual, out, stream); break;
   }
   return cudaGetLastError();
 }

@@ -36,4 +36,12 @@ void CudaRingKernels::decode(const void* in, int64_t begin, int64_t n) {
                : convert_cuda(in, wire_, dst, dtype_, n, postscale_, stream_));
 }
 
+void CudaRingKernels::reduce_decode(const void* in, int64_t begin, int64_t n) {
+  float* residual = residual_ ? residual_ + begin : nullptr;
+  void* dst = result_at(begin);
+  finish(fp8() ? fp8_reduce_decode_cuda(fp8_format(), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n,
+                                        prescale_, postscale_, residual, dst, stream_)
+               : reduce_decode_cuda(in, wire_, local_at(begin), dtype_, n, prescale_, postscale_, residual, dst, stream_));
+}
+
 }  // namespace gradsync

@@ -62,6 +62,16 @@ void CpuRingKernels::decode(const void* in, int64_t begin, int64_t n) {
   }
 }
 
+void CpuRingKernels::reduce_decode(const void* in, int64_t begin, int64_t n) {
+  float* residual = residual_ ? residual_ + begin : nullptr;
+  if (fp8()) {
+    fp8_reduce_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), local_at(begin), dtype_, n, prescale_,
+                          postscale_, residual, result_at(begin));
+  } else {
+    reduce_decode_cpu(in, wire_, local_at(begin), dtype_, n, prescale_, postscale_, residual, result_at(begin));
+  }
+}
+
 void CpuRingKernels::decode_fp32(const void* in, int64_t n, float* out) const {
   if (fp8()) {
     fp8_decode_cpu(fp8_format(), static_cast<const uint8_t*>(in), n, 1.0f, out, DType::kFloat32, 0, fp8_num_blocks(n));
@@ -196,6 +206,10 @@ struct RingCallLayout {
     kernels.reduce_encode(slot(recv_image, c, k), plan.slice_begin(c, k), plan.slice_len(c, k), outgoing(c, k));
   }
   void decode(const uint8_t* payload, int c, int k) const { kernels.decode(payload, plan.slice_begin(c, k), plan.slice_len(c, k)); }
+  // A reduce-scatter's last hop, into the result (in: nullptr for a single rank).
+  void reduce_decode(const uint8_t* in, int c, int k) const {
+    kernels.reduce_decode(in, plan.slice_begin(c, k), plan.slice_len(c, k));
+  }
   // This rank's own reduced slice into the result, unless it was reduced there.
   void decode_own(int k) const {
     if (!in_result(own, k)) decode(slot(send_image, own, k), own, k);
@@ -230,15 +244,16 @@ void ring_posted_ahead(const RingCallLayout& L, bool gather) {
     const int c = mod(r - s - 1, n);
     for (int k = 0; k < plan.slices(c); ++k) {
       t.wait(handles[s * L.k_max + k]);
+      if (s == n - 2 && !gather) {
+        L.reduce_decode(L.slot(L.recv_image, c, k), c, k);
+        continue;
+      }
       L.reduce_encode(c, k);
       if (s < n - 2) t.send(L.outgoing(c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
     }
   }
   t.wait_all();
-  if (!gather) {
-    for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
-    return;
-  }
+  if (!gather) return;
 
   // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
   // forwards it, then decodes it into the result (unless it was received there).
@@ -296,14 +311,15 @@ void ring_paired(const RingCallLayout& L, bool gather) {
     const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
       const int64_t h = hop(s, cs, L.outgoing(cs, k), cr, L.slot(L.recv_image, cr, k), k);
-      if (h >= 0) {
+      if (h >= 0 && s == n - 2 && !gather) {  // the last hop's sum goes on no wire
+        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_decode(L.slot(L.recv_image, cr, k), cr, k); }, nullptr);
+      } else if (h >= 0) {
         defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.outgoing(cr, k));
       }
     }
   }
   flush();
   if (!gather) {
-    for (int k = 0; k < plan.slices(L.own); ++k) L.decode_own(k);
     t.wait_all();
     return;
   }
@@ -333,9 +349,14 @@ namespace {
 void ring_run(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image, uint8_t* send_image,
               uint32_t tag_base, bool gather) {
   const RingCallLayout layout(t, kernels, plan, recv_image, send_image, tag_base);
-  if (plan.ranks() == 1) {  // no wire, but the same numerics: the result is the decoded encoding of the sum
-    for (int k = 0; k < plan.slices(0); ++k) layout.encode(0, k);
-    for (int k = 0; k < plan.slices(0); ++k) layout.decode_own(k);
+  if (plan.ranks() == 1) {
+    // no wire: an all-reduce keeps its numerics (the result is the decoded encoding of the sum, as
+    // other ranks would see it); a reduce-scatter's sum is never encoded anyway
+    for (int k = 0; k < plan.slices(0); ++k) {
+      if (gather) layout.encode(0, k);
+      else layout.reduce_decode(nullptr, 0, k);
+    }
+    for (int k = 0; gather && k < plan.slices(0); ++k) layout.decode_own(k);
     return;
   }
   if (t.posts_receives_ahead()) ring_posted_ahead(layout, gather);

@@ -25,6 +25,9 @@ class RingKernels {
   virtual void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) = 0;
   // result = decode(in) * postscale
   virtual void decode(const void* in, int64_t begin, int64_t n) = 0;
+  // result = ([decode(in) +] local * prescale) * postscale, the sum never encoded: a reduce-scatter's
+  // last hop, whose sum goes on no wire. in may be null (a single rank).
+  virtual void reduce_decode(const void* in, int64_t begin, int64_t n) = 0;
   // Where the payload of elements [begin, ...) may live in the result itself, when decoding it
   // would only copy it (codec "none", postscale 1, memory the transport reaches): the all-gather
   // receives there, and this rank's own payloads are encoded and reduced there in place (out ==
@@ -43,7 +46,8 @@ class CodecRingKernels : public RingKernels {
   // added to this rank's contribution before it is encoded and then overwritten with what that
   // encoding lost (the *_feedback kernels of codec.h). Each rank encodes every element exactly once
   // per all-reduce (its reduce-scatter hops plus its own reduced chunk), so the residuals of all
-  // ranks sum to the error of the result, and adding them to the next call's inputs cancels it.
+  // ranks sum to the error of the result, and adding them to the next call's inputs cancels it. A
+  // reduce-scatter never encodes a rank's own chunk: its residual there becomes 0.
   void set_error_feedback(float* residual) { residual_ = residual; }
   // A reduce-scatter's result: `result` holds the buffer's elements [begin, begin + its length)
   // alone, and nothing is received or reduced in place there (result_as_payload is nullptr).
@@ -77,6 +81,7 @@ class CpuRingKernels : public CodecRingKernels {
   void encode(int64_t begin, int64_t n, void* out) override;
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
+  void reduce_decode(const void* in, int64_t begin, int64_t n) override;
   void* result_as_payload(int64_t begin) override;
   // result[0, n) = (decode(payloads[0]) + decode(payloads[1]) + ...) * postscale, added in fp32 in
   // that order
@@ -99,6 +104,7 @@ class CudaRingKernels : public CodecRingKernels {
   void encode(int64_t begin, int64_t n, void* out) override;
   void reduce_encode(const void* in, int64_t begin, int64_t n, void* out) override;
   void decode(const void* in, int64_t begin, int64_t n) override;
+  void reduce_decode(const void* in, int64_t begin, int64_t n) override;
 
  private:
   cudaError_t reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out);  // in may be null
@@ -148,10 +154,12 @@ void compare_ring_calls(const RingCall* table, int n);
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
 
-// The reduce-scatter half alone, on a RingPlan::scatter plan: each rank's fully reduced chunk (the
-// buffer's chunk `rank`) is encoded once, as in the all-reduce, then decoded into the result, which
-// holds that chunk alone (CodecRingKernels::scatter_into). The input is only read; the result may
-// be the input's own chunk, which nothing reads once the result is written.
+// The reduce-scatter half alone, on a RingPlan::scatter plan: each rank's last hop adds its part to
+// the chunk it receives and writes the fp32 sum, times postscale, straight into the result
+// (RingKernels::reduce_decode): the reduced chunk (the buffer's chunk `rank`) goes on no wire, so it
+// is never encoded, one rounding fewer than the all-reduce's. The result holds that chunk alone
+// (CodecRingKernels::scatter_into). The input is only read; the result may be the input's own chunk,
+// each element read before it is written.
 void ring_reduce_scatter(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                          uint8_t* send_image, uint32_t tag_base);
 

@@ -1,5 +1,5 @@
-// The CPU kernels: scalar and AVX2 paths give the same bits, fp8 blocks meet their error bound,
-// and the multi-tensor copy handles contiguous, strided and empty segments.
+// The CPU kernels: scalar and AVX2 paths give the same bits (and those of numerics.h where a kernel
+// is composed of others), fp8 blocks meet their error bound, and the multi-tensor copy handles contiguous, strided and empty segments.
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -196,16 +196,26 @@ void feedback_reference(const void* in, Fp8Format* fp8, DType wire, const void* 
   }
 }
 
-// The fused error-feedback kernels give the bits of the primitives composed, on every path, with
-// and without an incoming payload, non-finite inputs included.
-void check_feedback_kernels() {
-  const int64_t n = 128 * 37 + 5;
+// One hop's inputs for each instruction set, local dtype and codec: n elements of local part and an
+// incoming payload of the codec, random bits with non-finite values among them, and a residual.
+struct HopCase {
+  const char* isa;
+  DType lt, wire;
+  int codec;
+  Fp8Format* fp8;  // null for the cast codecs
+  const std::vector<uint8_t>& local;
+  const std::vector<uint8_t>& in;
+  const std::vector<float>& residual;
+};
+
+template <typename F>
+void for_each_hop_case(int64_t n, F check) {
   const std::vector<float> base = random_bit_floats(n, 4);
-  std::vector<float> residual0(n);
+  std::vector<float> residual(n);
   std::mt19937 rng(5);
   std::normal_distribution<float> small(0.0f, 1e-3f);
-  for (auto& r : residual0) r = small(rng);
-  residual0[7] = INFINITY;
+  for (auto& r : residual) r = small(rng);
+  residual[7] = INFINITY;
   for (const char* isa : {"scalar", "avx2"}) {
     if (!set_cpu_isa(isa)) continue;
     for (DType lt : kTypes) {
@@ -219,40 +229,105 @@ void check_feedback_kernels() {
         Fp8Format format = codec == 3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
         Fp8Format* fp8 = codec >= 3 ? &format : nullptr;
         const DType wire = codec == 0 ? lt : codec == 1 ? DType::kFloat16 : DType::kBFloat16;
-        const int64_t bytes = fp8 ? fp8_payload_bytes(n) : n * dtype_size(wire);
-        std::vector<uint8_t> in(bytes);
-        const std::vector<float> other = random_bit_floats(n, 6 + codec);
-        std::vector<float> scaled(n);
-        convert_cpu(other.data(), DType::kFloat32, scaled.data(), DType::kFloat32, n, 1e-30f);
+        std::vector<uint8_t> in(fp8 ? fp8_payload_bytes(n) : n * dtype_size(wire));
+        std::vector<float> scaled = random_bit_floats(n, 6 + codec);
+        convert_cpu(scaled.data(), DType::kFloat32, scaled.data(), DType::kFloat32, n, 1e-30f);
+        scaled[11] = INFINITY;
         if (fp8) fp8_encode_cpu(format, scaled.data(), DType::kFloat32, n, 1.0f, in.data(), 0, fp8_num_blocks(n));
         else convert_cpu(scaled.data(), DType::kFloat32, in.data(), wire, n, 1.0f);
-        for (bool has_in : {true, false}) {
-          const void* src = has_in ? in.data() : nullptr;
-          std::vector<uint8_t> a(bytes), b(bytes);
-          std::vector<float> ra = residual0, rb = residual0;
-          set_cpu_isa("scalar");
-          feedback_reference(src, fp8, wire, local.data(), lt, n, 0.37f, ra.data(), a.data());
-          set_cpu_isa(isa);
-          if (fp8) {
-            fp8_reduce_encode_feedback_cpu(format, static_cast<const uint8_t*>(src), local.data(), lt, n, 0.37f, rb.data(),
-                                           b.data());
-          } else {
-            reduce_cast_feedback_cpu(src, wire, local.data(), lt, n, 0.37f, rb.data(), b.data());
-          }
-          CHECK(a == b, "%s feedback payload differs (codec %d, local dtype %d, in %d)", isa, codec, int(lt), int(has_in));
-          CHECK(std::memcmp(ra.data(), rb.data(), n * 4) == 0, "%s feedback residual differs (codec %d, local dtype %d, in %d)",
-                isa, codec, int(lt), int(has_in));
-          // an fp32 wire loses nothing; every other one loses something
-          bool lost = false;
-          for (float r : rb) lost |= r != 0.0f;
-          CHECK(lost == !(codec == 0 && lt == DType::kFloat32), "codec %d, local dtype %d: residual %s", codec, int(lt),
-                lost ? "not zero" : "zero");
-          for (float r : rb) CHECK(std::isfinite(r), "non-finite residual (codec %d)", codec);
-        }
+        check(HopCase{isa, lt, wire, codec, fp8, local, in, residual});
       }
     }
   }
   set_cpu_isa("auto");
+}
+
+// The fused error-feedback kernels give the bits of the primitives composed, on every path, with
+// and without an incoming payload, non-finite inputs included.
+void check_feedback_kernels() {
+  const int64_t n = 128 * 37 + 5;
+  for_each_hop_case(n, [&](const HopCase& h) {
+    const int64_t bytes = h.in.size();
+    for (bool has_in : {true, false}) {
+      const void* src = has_in ? h.in.data() : nullptr;
+      std::vector<uint8_t> a(bytes), b(bytes);
+      std::vector<float> ra = h.residual, rb = h.residual;
+      set_cpu_isa("scalar");
+      feedback_reference(src, h.fp8, h.wire, h.local.data(), h.lt, n, 0.37f, ra.data(), a.data());
+      set_cpu_isa(h.isa);
+      if (h.fp8) {
+        fp8_reduce_encode_feedback_cpu(*h.fp8, static_cast<const uint8_t*>(src), h.local.data(), h.lt, n, 0.37f,
+                                       rb.data(), b.data());
+      } else {
+        reduce_cast_feedback_cpu(src, h.wire, h.local.data(), h.lt, n, 0.37f, rb.data(), b.data());
+      }
+      CHECK(a == b, "%s feedback payload differs (codec %d, local dtype %d, in %d)", h.isa, h.codec, int(h.lt),
+            int(has_in));
+      CHECK(std::memcmp(ra.data(), rb.data(), n * 4) == 0, "%s feedback residual differs (codec %d, local dtype %d, in %d)",
+            h.isa, h.codec, int(h.lt), int(has_in));
+      // an fp32 wire loses nothing; every other one loses something
+      bool lost = false;
+      for (float r : rb) lost |= r != 0.0f;
+      CHECK(lost == !(h.codec == 0 && h.lt == DType::kFloat32), "codec %d, local dtype %d: residual %s", h.codec,
+            int(h.lt), lost ? "not zero" : "zero");
+      for (float r : rb) CHECK(std::isfinite(r), "non-finite residual (codec %d)", h.codec);
+    }
+  });
+}
+
+float element(const void* p, DType t, int64_t i) {
+  if (t == DType::kFloat32) return static_cast<const float*>(p)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+  return t == DType::kFloat16 ? half_bits_to_float(bits) : bf16_bits_to_float(bits);
+}
+
+// The reduce-scatter's last hop, element by element from numerics.h: the sum is cast to the local
+// dtype, never encoded, and a residual becomes 0.
+void reduce_decode_reference(const uint8_t* in, Fp8Format* fp8, DType wire, const void* local, DType lt, int64_t n,
+                             float prescale, float postscale, float* residual, void* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    float sum = element(local, lt, i) * prescale;
+    if (in && fp8) {
+      float scale;
+      std::memcpy(&scale, in + fp8_scales_offset(n) + 4 * (i / kFp8BlockSize), 4);
+      const float v = *fp8 == Fp8Format::kE4M3 ? fp8_to_float<Fp8Format::kE4M3>(in[i]) : fp8_to_float<Fp8Format::kE5M2>(in[i]);
+      sum = hop_sum(v * scale, sum);
+    } else if (in) {
+      sum = hop_sum(element(in, wire, i), sum);
+    }
+    if (residual) {
+      sum = hop_sum(sum, residual[i]);
+      residual[i] = 0.0f;
+    }
+    const float v = sum * postscale;
+    if (lt == DType::kFloat32) static_cast<float*>(out)[i] = v;
+    else static_cast<uint16_t*>(out)[i] = lt == DType::kFloat16 ? float_to_half_bits(v) : float_to_bf16_bits(v);
+  }
+}
+
+// The reduce-decode kernels on every path give the reference's bits: with and without an incoming
+// payload and a residual, in place over the local part, non-finite values included, over several
+// of their pieces and a short last block.
+void check_reduce_decode_kernels() {
+  const int64_t n = 128 * 37 + 5;
+  for_each_hop_case(n, [&](const HopCase& h) {
+    for (int variant = 0; variant < 8; ++variant) {
+      const bool has_in = variant & 1, feedback = variant & 2, in_place = variant & 4;
+      const uint8_t* src = has_in ? h.in.data() : nullptr;
+      std::vector<uint8_t> expected(n * dtype_size(h.lt)), apart(n * dtype_size(h.lt)), local = h.local;
+      std::vector<float> ra = h.residual, rb = h.residual;
+      reduce_decode_reference(src, h.fp8, h.wire, h.local.data(), h.lt, n, 0.37f, 3.0f, feedback ? ra.data() : nullptr,
+                              expected.data());
+      void* out = in_place ? local.data() : apart.data();
+      float* residual = feedback ? rb.data() : nullptr;
+      if (h.fp8) fp8_reduce_decode_cpu(*h.fp8, src, local.data(), h.lt, n, 0.37f, 3.0f, residual, out);
+      else reduce_decode_cpu(src, h.wire, local.data(), h.lt, n, 0.37f, 3.0f, residual, out);
+      CHECK(std::memcmp(out, expected.data(), expected.size()) == 0,
+            "%s reduce-decode differs (codec %d, local dtype %d, in %d, feedback %d, in place %d)", h.isa, h.codec,
+            int(h.lt), int(has_in), int(feedback), int(in_place));
+      CHECK(std::memcmp(ra.data(), rb.data(), n * 4) == 0, "%s reduce-decode residual differs (codec %d)", h.isa, h.codec);
+    }
+  });
 }
 
 }  // namespace
@@ -263,5 +338,6 @@ int main() {
   check_fp8_paths_agree_on_graded_blocks();
   check_multi_tensor_copy();
   check_feedback_kernels();
+  check_reduce_decode_kernels();
   return gradsync_test::finish("kernels_cpu");
 }
