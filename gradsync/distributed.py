@@ -118,7 +118,9 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     return prescale, postscale
 
 
-def _check_residual(residual, tensor):
+def _check_residual(residual, tensor, *others):
+    """``others``: more tensors of the call (a reduce-scatter's output) the residual must not share
+    memory with."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
     if residual.dtype != torch.float32 or not residual.is_contiguous():
@@ -126,6 +128,18 @@ def _check_residual(residual, tensor):
     if residual.numel() != tensor.numel() or residual.device != tensor.device:
         raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
                          f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")
+    for other in (tensor, *others):
+        if _overlap(residual, other):
+            raise ValueError("residual shares memory with the tensors it feeds back into: the kernels write it while "
+                             "they read those, so give it memory of its own")
+
+
+def _overlap(a, b):
+    """Whether two contiguous tensors share bytes."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    a_end, b_end = a.data_ptr() + a.numel() * a.element_size(), b.data_ptr() + b.numel() * b.element_size()
+    return a.data_ptr() < b_end and b.data_ptr() < a_end
 
 
 def _resolve_group(group):
@@ -282,14 +296,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
         raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements ({n * output.numel()} "
                          f"elements), got {input.numel()}")
     if residual is not None:
-        _check_residual(residual, input)
-    if output.numel() and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
-        size = output.element_size()
-        own = input.data_ptr() + rank * output.numel() * size
-        if output.data_ptr() != own and output.data_ptr() < input.data_ptr() + input.numel() * size and \
-                input.data_ptr() < output.data_ptr() + output.numel() * size:
-            raise ValueError("output overlaps input other than as this rank's own chunk of it "
-                             f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
+        _check_residual(residual, input, output)
+    if _overlap(output, input) and output.data_ptr() != input.data_ptr() + rank * output.numel() * output.element_size():
+        raise ValueError("output overlaps input other than as this rank's own chunk of it "
+                         f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
     _check_backend(input, "input", group)
     prescale, postscale = resolve_scales(op, n, prescale, postscale)
     engine = _engine(group, input)

@@ -684,6 +684,7 @@ def test_scales():
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(4, dtype=torch.float16)), ValueError,
      "residual must be a contiguous float32"),
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(5)), ValueError, "residual must match"),
+    (lambda x=torch.randn(8): gradsync.all_reduce(x[:4], residual=x[3:7]), ValueError, "residual shares memory"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error) as info:

@@ -135,7 +135,7 @@ def test_ranks_that_disagree_raise_everywhere(worlds):
 
 
 def bad_calls(rank, size):
-    x = torch.randn(4 * size)
+    x, both = torch.randn(4 * size), torch.zeros(3 + 4 * size)  # both: an output and a residual overlapping it
     cases = [
         (lambda: gradsync.reduce_scatter(torch.empty(3), x), ValueError, f"input must hold {size} chunks"),
         (lambda: gradsync.reduce_scatter(torch.empty(4, dtype=torch.float16), x), ValueError, "one dtype and device"),
@@ -143,6 +143,8 @@ def bad_calls(rank, size):
         (lambda: gradsync.reduce_scatter(x[1:5], x), ValueError, "overlaps input"),
         (lambda: gradsync.reduce_scatter(torch.empty(4), x, codec="fp4"), ValueError, "unknown codec"),
         (lambda: gradsync.reduce_scatter(torch.empty(4), x, residual=torch.zeros(4)), ValueError, "residual"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4), x, residual=x), ValueError, "residual shares memory"),
+        (lambda: gradsync.reduce_scatter(both[:4], x, residual=both[3:]), ValueError, "residual shares memory"),
         (lambda: gradsync.reduce_scatter(torch.empty(8)[::2], x), ValueError, "output must be contiguous"),
     ]
     for call, error, words in cases:
