@@ -81,19 +81,39 @@ def _check_scale(value, name):
 
 
 def _op_name(op):
-    """"avg" or "sum" for those strings and for torch.distributed.ReduceOp.AVG / SUM."""
+    """"avg" or "sum" for those strings and torch.distributed.ReduceOp.AVG / SUM; "premul_sum" for
+    ``ReduceOp.PREMUL_SUM(factor)`` (a sum of the inputs times ``factor``)."""
     if isinstance(op, str):
         if op in OPS:
             return op
     elif isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        if op == dist.ReduceOp.PREMUL_SUM and isinstance(op, dist.ReduceOp):
+            return "premul_sum"
         for name in OPS:
             if op == getattr(dist.ReduceOp, name.upper()):
                 return name
-    raise ValueError(f"op must be one of {', '.join(OPS)} (or torch.distributed.ReduceOp.AVG / SUM), got {op!r}")
+    raise ValueError(f"op must be one of {', '.join(OPS)} (or torch.distributed.ReduceOp.AVG / SUM / "
+                     f"PREMUL_SUM(factor)), got {op!r}")
+
+
+def _op_factor(op, world_size):
+    """The factor every input is multiplied by: 1/world_size for "avg", 1 for "sum", ``factor`` for
+    ``ReduceOp.PREMUL_SUM(factor)``."""
+    name = _op_name(op)
+    if name != "premul_sum":
+        return 1.0 / world_size if name == "avg" else 1.0
+    factor = op.factor
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(f"ReduceOp.PREMUL_SUM's factor must be a number or a one-element tensor, got "
+                             f"{factor.numel()} elements")
+        factor = factor.item()
+    return _check_scale(factor, "ReduceOp.PREMUL_SUM's factor")
 
 
 def resolve_scales(op, world_size, prescale=None, postscale=None):
-    """(prescale, postscale) whose product is 1/world_size for "avg" and 1 for "sum".
+    """(prescale, postscale) whose product is 1/world_size for "avg", 1 for "sum" and ``factor`` for
+    ``ReduceOp.PREMUL_SUM(factor)``.
 
     By default the whole factor is applied before the sum (prescale = 1/n): every partial sum then
     stays within the inputs' range, so an fp16 wire cannot overflow where the inputs did not, at the
@@ -101,8 +121,7 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     and the block-scaled fp8 codecs are indifferent to the split. Give one factor and gradsync
     derives the other; give both and their product must be right.
     """
-    op = _op_name(op)
-    target = 1.0 / world_size if op == "avg" else 1.0
+    target = _op_factor(op, world_size)
     if prescale is None and postscale is None:
         return target, 1.0
     if postscale is None:
@@ -113,7 +132,7 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
         return target / postscale, postscale
     prescale = _check_scale(prescale, "prescale")
     if not math.isclose(prescale * postscale, target, rel_tol=1e-6):
-        raise ValueError(f"prescale * postscale must be {target:g} for op={op!r} on {world_size} ranks, "
+        raise ValueError(f"prescale * postscale must be {target:g} for op={_op_name(op)!r} on {world_size} ranks, "
                          f"got {prescale:g} * {postscale:g}")
     return prescale, postscale
 
@@ -205,7 +224,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
                check_call: bool = True, residual: Optional[torch.Tensor] = None):
     """All-reduces ``tensor`` in place across ``group`` (default: the default group).
 
-    ``op``: "avg" (default) or "sum", or ``torch.distributed.ReduceOp.AVG`` / ``SUM``. ``codec``: the wire format, one of :data:`gradsync.CODECS`
+    ``op``: "avg" (default) or "sum", or ``torch.distributed.ReduceOp.AVG`` / ``SUM`` /
+    ``PREMUL_SUM(factor)`` (the sum of the inputs times ``factor``). ``codec``: the wire format, one of :data:`gradsync.CODECS`
     ("none" sends the tensor's own dtype). Sums are accumulated in fp32 at every hop. ``prescale`` /
     ``postscale``: see :func:`resolve_scales`. With ``async_op=True`` returns an
     :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must

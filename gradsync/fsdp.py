@@ -13,7 +13,7 @@ private part of torch (``torch.distributed.fsdp._fully_shard._fsdp_api``).
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _op_name, reduce_scatter
+from .distributed import _check_flag, _op_factor, reduce_scatter
 from .ops import _check_codec
 
 try:
@@ -26,7 +26,10 @@ __all__ = ["ReduceScatter", "compress_reduce_scatter"]
 
 class ReduceScatter(_ReduceScatterComm):
     """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) through gradsync's ring,
-    on the wire ``codec``, summing in fp32.
+    on the wire ``codec``, summing in fp32. It takes each op FSDP2 asks for: an average, a sum, and
+    after ``set_gradient_divide_factor(f)`` the pre-multiplied sum ``ReduceOp.PREMUL_SUM(1 / f)``
+    (the factor applied to each rank's part before it is encoded, as gradsync's average applies
+    1/n).
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once). ``error_feedback``: keep, per layout, the fp32 residual of what
@@ -56,11 +59,10 @@ class ReduceScatter(_ReduceScatterComm):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         try:
-            op = _op_name(op)
+            factor = _op_factor(op, group.size())
         except ValueError:
-            raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums, not {op!r}: FSDP2 asks for a "
-                             "pre-multiplied sum after set_gradient_divide_factor(), which gradsync does not take")
-        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, op)
+            raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
+        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor)
         residual = None
         if self.error_feedback:
             residual = self._residuals.get(key)

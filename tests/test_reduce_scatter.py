@@ -250,8 +250,9 @@ class Mlp(torch.nn.Module):
         return self.layers[-1](x)
 
 
-def fsdp_train(rank, size, modes, steps):
-    """Per mode, the full parameters after `steps` SGD steps of an FSDP2 model on this rank's batches."""
+def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1):
+    """Per mode, the full parameters after `steps` SGD steps of an FSDP2 model on this rank's batches;
+    `divide_factor`: every FSDP module's set_gradient_divide_factor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -268,7 +269,10 @@ def fsdp_train(rank, size, modes, steps):
         if mode != "torch":
             codec, _, ef = mode.partition("+")
             assert fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef)) == 4
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if divide_factor is not None:
+            for module in [*model.layers, model]:
+                module.set_gradient_divide_factor(divide_factor)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
         for step in range(steps):
             g = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randn(16, 16, generator=g)
@@ -291,3 +295,15 @@ def test_fsdp2_trains_with_gradsync_reduce_scatters_as_with_its_own(worlds):
     for mode, tolerance in FSDP_MODES.items():
         distance = float((results[0][mode] - reference).norm() / reference.norm())
         assert distance < tolerance, (mode, distance)
+
+
+def test_fsdp2_gradient_divide_factor_is_a_premultiplied_sum(worlds):
+    """After set_gradient_divide_factor(2n) FSDP2 asks for ReduceOp.PREMUL_SUM(1 / 2n): gradients of
+    half the average, so twice the learning rate must give the average's parameters, bit for bit
+    (the factors differ by a power of two). torch's own reduce-scatter over gloo has no such op."""
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    modes = ["none", "bf16"]
+    halved = worlds(3).run(fsdp_train, modes, 4, 6.0, 0.2)
+    averaged = worlds(3).run(fsdp_train, modes, 4)
+    for mode in modes:
+        assert torch.equal(halved[0][mode], averaged[0][mode]), mode
