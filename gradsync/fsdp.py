@@ -1,4 +1,5 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``): gradsync's ring as the gradient reduce-scatter.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): gradsync's ring as the gradient reduce-scatter,
+and as the all-reduce across replicas of a hybrid-sharded model.
 
     from gradsync import fsdp
     model = fully_shard(model)                        # and its submodules, as usual
@@ -9,11 +10,20 @@ FSDP2 reduce-scatters gradients with the process group's own collective in its `
 carries ``codec`` while every hop sums in fp32, whatever ``reduce_dtype`` is; fp16 and the
 block-scaled fp8 codecs become possible too. Built on FSDP2's ``set_custom_reduce_scatter``, a
 private part of torch (``torch.distributed.fsdp._fully_shard._fsdp_api``).
+
+Hybrid sharding (shard within a node, replicate across nodes) spends its slow link on the
+all-reduce of each gradient shard across the replicas. Shard over the node's ranks alone and let
+gradsync make that all-reduce, compressed (FSDP2's ``set_all_reduce_hook``):
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(model, mesh=mesh["shard"])    # and its submodules, on the same 1-D mesh
+    fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group(), codec="fp8_e4m3",
+                                     error_feedback=True)
 """
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _op_factor, reduce_scatter
+from .distributed import _check_flag, _op_factor, all_reduce, reduce_scatter
 from .ops import _check_codec
 
 try:
@@ -21,7 +31,7 @@ try:
 except ImportError:  # a torch without FSDP2's custom reduce-scatter
     _ReduceScatterComm = object
 
-__all__ = ["ReduceScatter", "compress_reduce_scatter"]
+__all__ = ["ReduceScatter", "ReplicaAllReduce", "compress_reduce_scatter", "compress_replica_all_reduce"]
 
 
 class ReduceScatter(_ReduceScatterComm):
@@ -78,17 +88,83 @@ class ReduceScatter(_ReduceScatterComm):
         return None
 
 
-def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, error_feedback: bool = False) -> int:
-    """Makes every FSDP2 module in ``module`` (itself included) reduce-scatter its gradients with
-    gradsync (a :class:`ReduceScatter` each); returns how many it found. Call it after
-    ``fully_shard`` and before the first backward."""
+class ReplicaAllReduce:
+    """FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``) through gradsync: each gradient
+    shard, once reduce-scattered over the module's (1-D) mesh, is all-reduced in place across
+    ``group``, the ranks that hold the same shard (one per replica), on the wire ``codec`` and
+    summing in fp32. ``op`` as for :func:`gradsync.all_reduce`: "avg" completes FSDP2's average over
+    the shard group to one over every rank; with ``set_gradient_divide_factor(f)``, whose factor
+    then covers every rank as in FSDP2's own hybrid sharding, pass "sum".
+
+    Each shard's layout is checked across the replicas the first time it is seen.
+    ``error_feedback``: keep, per layout, the fp32 residual of what this rank's encodings lost (see
+    :func:`gradsync.all_reduce`): it has the shard's size, not the model's. Like
+    :class:`ReduceScatter`, it completes on the host before the hook returns.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, codec: str = "bf16", *, op="avg", error_feedback: bool = False):
+        _check_codec(codec)
+        _op_factor(op, 1)  # an op all_reduce takes
+        self.group, self.codec, self.op = group, codec, op
+        self.error_feedback = _check_flag(error_feedback, "error_feedback")
+        self._checked = set()
+        self._residuals = {}
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        key = (shard.numel(), shard.dtype, shard.device)
+        residual = None
+        if self.error_feedback:
+            residual = self._residuals.get(key)
+            if residual is None:
+                residual = self._residuals[key] = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+        all_reduce(shard, op=self.op, codec=self.codec, group=self.group, check_call=key not in self._checked,
+                   residual=residual)
+        self._checked.add(key)
+
+
+def _fsdp_modules(module: torch.nn.Module, caller: str):
+    """The FSDP2 modules in ``module`` (itself included) that manage parameters."""
     from torch.distributed.fsdp import FSDPModule
 
-    count = 0
+    found = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_reduce_scatter(ReduceScatter(codec, error_feedback=error_feedback))
-            count += 1
-    if not count:
-        raise ValueError("gradsync.fsdp.compress_reduce_scatter: no FSDP2 module (fully_shard) in the module")
-    return count
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch releases with one parameter group per module
+                groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+            if groups:
+                found.append((m, groups))
+    if not found:
+        raise ValueError(f"gradsync.fsdp.{caller}: no FSDP2 module (fully_shard) with parameters in the module")
+    return found
+
+
+def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, error_feedback: bool = False) -> int:
+    """Makes every FSDP2 module in ``module`` (itself included) reduce-scatter its gradients with
+    gradsync (a :class:`ReduceScatter` each); returns how many it found (those that manage
+    parameters). Call it after ``fully_shard`` and before the first backward."""
+    found = _fsdp_modules(module, "compress_reduce_scatter")
+    for m, _ in found:
+        m.set_custom_reduce_scatter(ReduceScatter(codec, error_feedback=error_feedback))
+    return len(found)
+
+
+def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGroup, codec: str = "bf16", *,
+                                op="avg", error_feedback: bool = False) -> int:
+    """Makes every FSDP2 module in ``module`` (itself included) all-reduce its gradient shards across
+    ``group`` with gradsync after each reduce-scatter (a :class:`ReplicaAllReduce` each, as FSDP2's
+    all-reduce hook): hybrid sharding whose cross-replica all-reduce sends ``codec``. Shard the
+    modules over a 1-D mesh of the ranks that share a replica (``mesh["shard"]``); a module sharded
+    over a 2-D mesh already all-reduces across replicas itself, and raises. Returns how many modules
+    it found (those that manage parameters). Call it after ``fully_shard`` and before the first
+    backward."""
+    found = _fsdp_modules(module, "compress_replica_all_reduce")
+    for m, groups in found:
+        if any(getattr(g, "_is_hsdp", False) for g in groups):
+            raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh, whose "
+                             "replicas FSDP2 all-reduces itself; shard over the 1-D mesh of one replica "
+                             "(mesh[\"shard\"]) and pass the replicas' group (mesh[\"replicate\"].get_group())")
+    for m, _ in found:
+        m.set_all_reduce_hook(ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback))
+    return len(found)

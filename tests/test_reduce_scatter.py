@@ -250,15 +250,21 @@ class Mlp(torch.nn.Module):
         return self.layers[-1](x)
 
 
-def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1):
+def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1, hybrid=False):
     """Per mode, the full parameters after `steps` SGD steps of an FSDP2 model on this rank's batches;
-    `divide_factor`: every FSDP module's set_gradient_divide_factor."""
+    `divide_factor`: every FSDP module's set_gradient_divide_factor. `hybrid`: two replicas, each
+    sharded over half the ranks, and gradsync's modes all-reduce across them (the reduce-scatter
+    stays FSDP2's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from gradsync import fsdp
 
-    mesh = init_device_mesh("cpu", (size,))
+    if hybrid:
+        mesh_2d = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = mesh_2d["shard"]
+    else:
+        mesh = init_device_mesh("cpu", (size,))
     out = {}
     for mode in modes:
         torch.manual_seed(0)
@@ -268,7 +274,12 @@ def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1):
         fully_shard(model, mesh=mesh)
         if mode != "torch":
             codec, _, ef = mode.partition("+")
-            assert fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef)) == 4
+            if hybrid:
+                replicas = mesh_2d["replicate"].get_group()
+                found = fsdp.compress_replica_all_reduce(model, replicas, codec, error_feedback=bool(ef))
+            else:
+                found = fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef))
+            assert found == 3  # the layers; the root holds no parameters of its own
         if divide_factor is not None:
             for module in [*model.layers, model]:
                 module.set_gradient_divide_factor(divide_factor)
@@ -307,3 +318,38 @@ def test_fsdp2_gradient_divide_factor_is_a_premultiplied_sum(worlds):
     averaged = worlds(3).run(fsdp_train, modes, 4)
     for mode in modes:
         assert torch.equal(halved[0][mode], averaged[0][mode]), mode
+
+
+def test_fsdp2_replicas_all_reduce_through_gradsync(worlds):
+    """Hybrid sharding by hand: FSDP2 over each pair of ranks, gradsync's all-reduce (FSDP2's
+    all-reduce hook) across the two pairs, against FSDP2 sharded over all four ranks; every rank
+    ends with the same parameters."""
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    reference = worlds(4).run(fsdp_train, ["torch"], 8)[0]["torch"]
+    results = worlds(4).run(fsdp_train, list(FSDP_MODES), 8, None, 0.1, True)
+    for mode, tolerance in FSDP_MODES.items():
+        assert all(torch.equal(r[mode], results[0][mode]) for r in results), f"{mode}: ranks differ"
+        distance = float((results[0][mode] - reference).norm() / reference.norm())
+        assert distance < tolerance, (mode, distance)
+
+
+def hybrid_misuse(rank, size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(Mlp(), mesh=mesh)  # FSDP2's own hybrid sharding
+    with pytest.raises(ValueError, match="sharded over a 2-D mesh"):
+        fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group())
+    with pytest.raises(ValueError, match="no FSDP2 module"):
+        fsdp.compress_replica_all_reduce(torch.nn.Linear(2, 2), mesh["replicate"].get_group())
+    with pytest.raises(ValueError, match="unknown codec"):
+        fsdp.ReplicaAllReduce(mesh["replicate"].get_group(), "int4")
+    return True
+
+
+def test_fsdp2_replica_all_reduce_refuses_what_it_cannot_take(worlds):
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    assert all(worlds(4).run(hybrid_misuse))
