@@ -87,7 +87,10 @@ def _op_name(op):
         if op in OPS:
             return op
     elif isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        if op == dist.ReduceOp.PREMUL_SUM and isinstance(op, dist.ReduceOp):
+        if op == dist.ReduceOp.PREMUL_SUM:
+            if type(op) is dist.ReduceOp.RedOpType:
+                raise ValueError("op ReduceOp.PREMUL_SUM needs its factor: ReduceOp.PREMUL_SUM(factor) "
+                                 "(torch.distributed._make_nccl_premul_sum(factor))")
             return "premul_sum"
         for name in OPS:
             if op == getattr(dist.ReduceOp, name.upper()):
@@ -102,7 +105,13 @@ def _op_factor(op, world_size):
     name = _op_name(op)
     if name != "premul_sum":
         return 1.0 / world_size if name == "avg" else 1.0
-    factor = op.factor
+    try:
+        factor = op.factor
+    except AttributeError:  # torch releases before ReduceOp.factor: the op's pickled state holds it
+        try:
+            factor = op.__getstate__()[1]
+        except Exception as e:
+            raise ValueError(f"cannot read the factor of {op!r} on this torch: {e}") from None
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
             raise ValueError(f"ReduceOp.PREMUL_SUM's factor must be a number or a one-element tensor, got "

@@ -13,7 +13,8 @@ private part of torch (``torch.distributed.fsdp._fully_shard._fsdp_api``).
 
 Hybrid sharding (shard within a node, replicate across nodes) spends its slow link on the
 all-reduce of each gradient shard across the replicas. Shard over the node's ranks alone and let
-gradsync make that all-reduce, compressed (FSDP2's ``set_all_reduce_hook``):
+gradsync make that all-reduce, compressed (FSDP2's ``set_all_reduce_hook``; finding the FSDP
+modules' parameter groups reads FSDP2's private state too):
 
     mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
     model = fully_shard(model, mesh=mesh["shard"])    # and its submodules, on the same 1-D mesh
@@ -70,7 +71,7 @@ class ReduceScatter(_ReduceScatterComm):
                  op, async_op: bool = False):
         try:
             factor = _op_factor(op, group.size())
-        except ValueError:
+        except (ValueError, AttributeError, RuntimeError):
             raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
         key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor)
         residual = None
@@ -95,6 +96,11 @@ class ReplicaAllReduce:
     summing in fp32. ``op`` as for :func:`gradsync.all_reduce`: "avg" completes FSDP2's average over
     the shard group to one over every rank; with ``set_gradient_divide_factor(f)``, whose factor
     then covers every rank as in FSDP2's own hybrid sharding, pass "sum".
+
+    FSDP2 calls the hook after every reduce-scatter: ``set_requires_all_reduce(False)``, which
+    defers native hybrid sharding's all-reduce during gradient accumulation, has no effect here
+    (each micro-batch's shard is all-reduced; the sums are the same); to communicate nothing until
+    the last micro-batch, use ``set_requires_gradient_sync(False)``.
 
     Each shard's layout is checked across the replicas the first time it is seen.
     ``error_feedback``: keep, per layout, the fp32 residual of what this rank's encodings lost (see
@@ -140,6 +146,15 @@ def _fsdp_modules(module: torch.nn.Module, caller: str):
     return found
 
 
+def _all_reduces_replicas(param_group):
+    """Whether FSDP2 all-reduces this parameter group across replicas itself (HSDP, replicate)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+    except ImportError:  # torch releases without FSDP2's replicate
+        return bool(getattr(param_group, "_is_hsdp", False))
+    return isinstance(param_group.mesh_info, DDPMeshInfo)
+
+
 def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, error_feedback: bool = False) -> int:
     """Makes every FSDP2 module in ``module`` (itself included) reduce-scatter its gradients with
     gradsync (a :class:`ReduceScatter` each); returns how many it found (those that manage
@@ -161,10 +176,10 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     backward."""
     found = _fsdp_modules(module, "compress_replica_all_reduce")
     for m, groups in found:
-        if any(getattr(g, "_is_hsdp", False) for g in groups):
-            raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh, whose "
-                             "replicas FSDP2 all-reduces itself; shard over the 1-D mesh of one replica "
-                             "(mesh[\"shard\"]) and pass the replicas' group (mesh[\"replicate\"].get_group())")
+        if any(_all_reduces_replicas(g) for g in groups):
+            raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh (or "
+                             "replicated), whose replicas FSDP2 all-reduces itself; shard over the 1-D mesh of one "
+                             "replica (mesh[\"shard\"]) and pass the replicas' group (mesh[\"replicate\"].get_group())")
     for m, _ in found:
         m.set_all_reduce_hook(ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback))
     return len(found)

@@ -674,12 +674,15 @@ def test_scales():
     with pytest.raises(ValueError, match="prescale must be a finite, non-zero number"):
         resolve_scales("avg", 4, prescale=0.0)
     # a pre-multiplied sum (FSDP2's after set_gradient_divide_factor), its factor a number or a tensor
-    assert resolve_scales(dist.ReduceOp.PREMUL_SUM(0.25), 8) == (0.25, 1.0)
-    assert resolve_scales(dist.ReduceOp.PREMUL_SUM(torch.tensor(0.5)), 8, postscale=2.0) == (0.25, 2.0)
+    premul = dist._make_nccl_premul_sum  # ReduceOp.PREMUL_SUM(factor) on recent torch
+    assert resolve_scales(premul(0.25), 8) == (0.25, 1.0)
+    assert resolve_scales(premul(torch.tensor(0.5)), 8, postscale=2.0) == (0.25, 2.0)
     with pytest.raises(ValueError, match="prescale \\* postscale must be 0.125 for op='premul_sum'"):
-        resolve_scales(dist.ReduceOp.PREMUL_SUM(0.125), 8, prescale=1.0, postscale=1.0)
+        resolve_scales(premul(0.125), 8, prescale=1.0, postscale=1.0)
     with pytest.raises(ValueError, match="PREMUL_SUM's factor must be a finite, non-zero number"):
-        resolve_scales(dist.ReduceOp.PREMUL_SUM(float("inf")), 4)
+        resolve_scales(premul(float("inf")), 4)
+    with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
+        resolve_scales(dist.ReduceOp.PREMUL_SUM, 4)
 
 
 @pytest.mark.parametrize("call,error,words", [
