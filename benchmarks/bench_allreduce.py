@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import gradsync  # noqa: E402
+from gradsync import hooks  # noqa: E402
 from gradsync import model  # noqa: E402
 
 COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, common.fixed(0)), ("impl", "impl", 26, str),
@@ -245,7 +246,32 @@ def accuracy(device, numel=1 << 20):
         mine = reference[r * chunk:(r + 1) * chunk]
         for name, fn in scatter_implementations(n, group).items():
             rows.append({"ranks": n, "impl": name, "error": relative_error(fn(original[:chunk * n]), mine, group)})
+    for n, per_node in ((4, 2), (8, 2), (8, 4)):
+        if n > world:
+            break
+        group = dist.new_group(list(range(n)))
+        local, cross = node_groups(n, per_node)
+        if dist.get_rank() >= n:
+            continue
+        original = gradient_like(numel, dist.get_rank(), device, seed=1)
+        reference = original.double()
+        dist.all_reduce(reference, group=group)
+        reference /= n
+        for codec in ("fp16", "bf16", "fp8_e4m3"):
+            x = original.clone()
+            hooks.hierarchical_average(x, local, cross, codec).wait()
+            rows.append({"ranks": n, "impl": f"hierarchical {n // per_node}x{per_node}: gradsync {codec}",
+                         "error": relative_error(x, reference, group)})
     return rows
+
+
+def node_groups(n, per_node):
+    """(this rank's node group, its group across the nodes) among ranks 0..n-1, nodes of per_node
+    consecutive ranks; made by every rank of the world, each rank's pair returned (None past n)."""
+    rank = dist.get_rank()
+    local = [dist.new_group(list(range(s, s + per_node))) for s in range(0, n, per_node)]
+    cross = [dist.new_group(list(range(p, n, per_node))) for p in range(per_node)]
+    return (local[rank // per_node], cross[rank % per_node]) if rank < n else (None, None)
 
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13

@@ -26,7 +26,7 @@ from .distributed import _check_flag, _check_scale, all_reduce, reduce_scatter
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
-           "fp8_compress_hook", "hierarchical_hook"]
+           "fp8_compress_hook", "hierarchical_average", "hierarchical_hook"]
 
 
 class GradSyncState:
@@ -273,26 +273,35 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     if not isinstance(state, HierarchicalState):
         raise TypeError(f"hierarchical_hook takes a gradsync.hooks.HierarchicalState, got {type(state).__name__}")
     buffer = bucket.buffer()
-    local, cross = state.local_group, state.cross_group
-    per_node = local.size()
-    shard_numel = -(-buffer.numel() // per_node)
-    padded = buffer if shard_numel * per_node == buffer.numel() else \
-        torch.cat([buffer, buffer.new_zeros(shard_numel * per_node - buffer.numel())])
-    shard = buffer.new_empty(shard_numel)
+    shard_numel = -(-buffer.numel() // state.local_group.size())
     residual = state.shard_residual(bucket, shard_numel, buffer.device) if state.error_feedback else None
     check = state.needs_check(bucket, state.codec)
+    done = hierarchical_average(buffer, state.local_group, state.cross_group, state.codec, check, residual)
+    return done.then(state._value_once_agreed(bucket, state.codec)) if check and bucket.parameters() else done
+
+
+def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
+                         codec: str, check_call: bool = True, residual: Optional[torch.Tensor] = None
+                         ) -> torch.futures.Future[torch.Tensor]:
+    """:func:`hierarchical_hook`'s average of a contiguous tensor, in place; returns a future of it at
+    once. ``residual``: error feedback of the all-reduce across the nodes, a float32 tensor of
+    ceil(numel / local_group.size()) elements."""
+    per_node = local_group.size()
+    shard_numel = -(-tensor.numel() // per_node)
+    padded = tensor if shard_numel * per_node == tensor.numel() else \
+        torch.cat([tensor, tensor.new_zeros(shard_numel * per_node - tensor.numel())])
+    shard = tensor.new_empty(shard_numel)
 
     def across_and_gather(fut):
         fut.value()  # raises the reduce-scatter's error, if any
-        all_reduce(shard, codec=state.codec, group=cross, check_call=check, residual=residual)
-        _all_gather_tensor(padded, shard, group=local)
-        if padded is not buffer:
-            buffer.copy_(padded[:buffer.numel()])
-        return buffer
+        all_reduce(shard, codec=codec, group=cross_group, check_call=check_call, residual=residual)
+        _all_gather_tensor(padded, shard, group=local_group)
+        if padded is not tensor:
+            tensor.copy_(padded[:tensor.numel()])
+        return tensor
 
-    scattered = reduce_scatter(shard, padded, codec="none", group=local, async_op=True, check_call=check)
-    done = scattered.get_future().then(across_and_gather)
-    return done.then(state._value_once_agreed(bucket, state.codec)) if check and bucket.parameters() else done
+    scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
+    return scattered.get_future().then(across_and_gather)
 
 
 # DDP.register_comm_hook refuses any hook whose __name__ is "bf16_compress_hook" unless CUDA and
