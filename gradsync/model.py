@@ -264,12 +264,48 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
 
 def allreduce_time(numel, n, link, kernels, impl, check_call=True):
     """`impl`: "torch fp32" (plain ring, then the division by n the benchmark does), "gradsync <codec>",
-    RING_FP16 (gradsync fp16 without the direct exchange) or UNCHECKED_FP16 (without the check)."""
+    RING_FP16 (gradsync fp16 without the direct exchange), UNCHECKED_FP16 (without the check) or
+    "hierarchical gradsync <codec>" (:func:`hierarchical_time`, nodes of GPUS_PER_NODE), or
+    NCCL_FP32 (torch's, a ring per NIC across nodes: :func:`nccl_link`)."""
     if impl == TORCH:
         return ring_time(numel, n, link, kernels, plain=True) + numel * kernels.encode["none"]
+    if impl == NCCL_FP32:
+        return ring_time(numel, n, nccl_link(link, n), kernels, plain=True) + numel * kernels.encode["none"]
+    if impl.startswith(HIERARCHICAL):  # nodes of GPUS_PER_NODE on NODE_LINK, `link` between them
+        return hierarchical_time(numel, n, GPUS_PER_NODE, NODE_LINK, link, kernels, impl.split()[-1])
     if impl == RING_FP16:
         kernels = replace(kernels, direct_bytes=0)
     return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call and impl != UNCHECKED_FP16)
+
+
+GPUS_PER_NODE = 8
+NODE_LINK = Link("NVLink 450 GB/s", 450e9, 3e-6)  # inside a node (ASSUMED latency, as in TOPOLOGIES)
+HIERARCHICAL = "hierarchical "  # allreduce_time's impl prefix: "hierarchical gradsync <codec>"
+
+
+NCCL_FP32 = "NCCL fp32"  # allreduce_time's impl: torch's all_reduce on GPUs, as NCCL runs it on a cluster
+
+
+def hierarchical_time(numel, n, per_node, node_link, link, kernels, codec):
+    """hooks.hierarchical_hook on one bucket, after its first step (no agreement check): gradsync's
+    reduce-scatter inside the node (codec "none": half its ring), the all-reduce of each rank's
+    1/per_node shard across the n/per_node nodes on `codec` (every rank on its own `link`), and the
+    node's all-gather with NCCL (half its plain ring), one after another."""
+    if n % per_node:
+        raise ValueError(f"{per_node} ranks per node do not divide {n}")
+    inside = ring_time(numel, per_node, node_link, kernels, "none", check_call=False) / 2
+    across = ring_time(-(-numel // per_node), n // per_node, link, kernels, codec, check_call=False)
+    gather = ring_time(numel, per_node, node_link, kernels, plain=True) / 2
+    return inside + across + gather
+
+
+def nccl_link(link, n):
+    """The link NCCL's ring sees across nodes of GPUS_PER_NODE GPUs, each GPU with a NIC `link`: it
+    runs a ring per NIC (channels), so every NIC of a node carries its share at once, where one
+    ring through the nodes (gradsync's flat ring) crosses each node boundary on one NIC."""
+    if n <= GPUS_PER_NODE:
+        return link
+    return replace(link, name=f"{link.name} x{GPUS_PER_NODE} NICs", bandwidth=link.bandwidth * GPUS_PER_NODE)
 
 
 def link_bound(numel, n, link, codec):
@@ -499,15 +535,18 @@ def slice_regrets(kernels=GPU_ASSUMED, hops=(15e-6, 40e-6, 80e-6), codecs=("none
 def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
     lines = [f"# Gradient sync per step, flat ring, fp32 gradients in buckets; {kernels.name}",
-             "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop; torch fp32 is NCCL's",
-             "# ring, one kernel for the whole all-reduce; gradsync's host issues each hop", ""]
+             "# link latencies ASSUMED: NVLink 3 us, InfiniBand 5 us, Ethernet 15 us per hop; beyond 8 ranks, nodes of",
+             "# 8 GPUs with a NIC each. torch fp32 is NCCL's ring, one kernel for the whole all-reduce, a ring per NIC",
+             "# across nodes (NCCL's trees, which cut its latency at hundreds of ranks, are not modelled); gradsync's",
+             "# host issues each hop of one ring, which crosses each node boundary on one NIC", ""]
     head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
     for bucket_mb in bucket_mbs:
         for model, params in MODELS:
             lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients in {bucket_mb} MB buckets; "
                       "ms per step (speedup vs torch fp32)", head]
             for n, link in TOPOLOGIES:
-                times = {i: step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in IMPLS}
+                times = {i: step_time(params, n, link, kernels, NCCL_FP32 if i == TORCH else i, bucket_mb * 2**20)
+                         for i in IMPLS}
                 cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
                 lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
             lines.append("")
@@ -561,9 +600,30 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
             ns += [latency_crossover(mb * 2**20, link, c, kernels.hop) for c in ("fp16", "fp8_e4m3")]
             lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>14.0f}" for x in ns))
     lines += ["Compression lowers S_wire and so lowers this n. That is the case for hierarchical sync (reduce",
-              "inside the node over NVLink with NCCL, gradsync's compressed ring across nodes with n/8 ranks)",
-              "or larger buckets."]
+              "inside the node over NVLink, gradsync's compressed ring across nodes with n/8 ranks)",
+              "or larger buckets.", ""]
+    lines += hierarchical_table(kernels, bucket_mb=max(bucket_mbs))
     return "\n".join(lines)
+
+
+def hierarchical_table(kernels, bucket_mb):
+    """hooks.hierarchical_hook against NCCL's fp32 all-reduce on the multi-node topologies."""
+    impls = [NCCL_FP32, "gradsync fp8_e4m3", HIERARCHICAL + "gradsync fp16", HIERARCHICAL + "gradsync fp8_e4m3"]
+    lines = [f"## Hierarchical sync (hooks.hierarchical_hook): nodes of {GPUS_PER_NODE} GPUs on {NODE_LINK.name}; "
+             f"{bucket_mb} MB buckets; ms per step (speedup vs NCCL fp32)",
+             "(the hook reduce-scatters inside the node with gradsync in fp32, all-reduces each 1/8 shard across the",
+             "n/8 nodes on the codec, every GPU on its own NIC, and all-gathers inside the node with NCCL, one step",
+             "after another; NCCL's fp32 ring runs a ring per NIC; gradsync's flat fp8 ring beside)",
+             f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{c:>16}" for c in
+                                                             ("NCCL fp32", "flat fp8", "hier. fp16", "hier. fp8"))]
+    for n, link in TOPOLOGIES:
+        if n <= GPUS_PER_NODE:
+            continue
+        for model, params in MODELS:
+            times = [step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in impls]
+            lines.append(f"{n:>5} {link.name:<20} {model:<11}" +
+                         "".join(f"{t * 1e3:>9.1f} ({times[0] / t:.1f}x)" for t in times))
+    return lines
 
 
 def _size(nbytes):

@@ -121,6 +121,29 @@ def test_a_host_that_issues_every_hop_bounds_the_ring():
         pytest.approx(2 * (n - 1) * hop + (n - 1) * hop)
 
 
+def test_hierarchical_sync_is_a_node_reduce_scatter_a_shard_ring_and_a_node_all_gather():
+    node, nic, per_node = link(bandwidth=8e9), link(bandwidth=1e9), 4
+    for n in (4, 16):
+        nodes = n // per_node
+        t = model.hierarchical_time(NUMEL, n, per_node, node, nic, FREE, "fp16")
+        inside = 2 * (per_node - 1) / per_node * NUMEL * 4 / 8e9  # reduce-scatter (fp32) and all-gather
+        across = 2 * (nodes - 1) / nodes * NUMEL / per_node * 2 / 1e9  # 1/4 shards, fp16 on the wire
+        assert t == pytest.approx(inside + across, rel=1e-9)
+    # one rank per node is the flat ring; one node, no traffic across
+    assert model.hierarchical_time(NUMEL, 16, 1, node, nic, FREE, "fp16") == \
+        pytest.approx(model.ring_time(NUMEL, 16, nic, FREE, "fp16", check_call=False))
+    with pytest.raises(ValueError, match="3 ranks per node do not divide 16"):
+        model.hierarchical_time(NUMEL, 16, 3, node, nic, FREE, "fp16")
+
+
+def test_nccl_runs_a_ring_per_nic_across_nodes():
+    nic = link(bandwidth=1e9)
+    assert model.nccl_link(nic, model.GPUS_PER_NODE) is nic
+    assert model.nccl_link(nic, 64).bandwidth == 1e9 * model.GPUS_PER_NODE
+    flat = model.allreduce_time(NUMEL, 64, nic, FREE, model.TORCH)
+    assert model.allreduce_time(NUMEL, 64, nic, FREE, model.NCCL_FP32) == pytest.approx(flat / model.GPUS_PER_NODE)
+
+
 def test_the_nccl_slice_cap_is_the_one_the_model_chooses():
     from gradsync import distributed  # noqa: F401  (needs the built package: the constants must agree)
     assert model.NCCL_SLICE_BYTES == distributed.NCCL_SLICE_BYTES and model.SLICE_BYTES == distributed.SLICE_BYTES
@@ -175,7 +198,7 @@ def test_the_benchmark_order_is_read_from_its_meta():
 
 def test_the_tables_print():
     text = model.projection_tables()
-    assert "ASSUMED" in text and "1024" in text and "hierarchical" in text
+    assert "ASSUMED" in text and "1024" in text and "hierarchical" in text and "Hierarchical sync" in text
 
 
 # The runs of 2026-12-01: rows measured with the implementations taking turns call by call
