@@ -263,9 +263,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     Against gradsync's flat ring over all n ranks: only the c-1 hops between nodes (c nodes) round
     to the codec, not n-1, and the host issues 2(c-1) hops per slice across nodes instead of
     2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
-    each link carries are those of NCCL's own multi-node rings, less the codec's saving. The three
-    steps of one bucket run one after another on gradsync's thread of the node's group, and the
-    next bucket's start waits for them.
+    each link carries are those of NCCL's own multi-node rings, less the codec's saving. Buckets
+    pipeline: while one is all-reduced across the nodes, the next is reduce-scattered in the node.
 
     Example::
         >>> ddp_model.register_comm_hook(HierarchicalState(local_size=8, error_feedback=True), hierarchical_hook)
@@ -291,17 +290,32 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
     padded = tensor if shard_numel * per_node == tensor.numel() else \
         torch.cat([tensor, tensor.new_zeros(shard_numel * per_node - tensor.numel())])
     shard = tensor.new_empty(shard_numel)
+    done = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
 
-    def across_and_gather(fut):
-        fut.value()  # raises the reduce-scatter's error, if any
-        all_reduce(shard, codec=codec, group=cross_group, check_call=check_call, residual=residual)
+    def completing(step):  # a step's failure fails the average: DDP must never wait for it forever
+        def run(fut):
+            try:
+                fut.value()  # raises the previous step's error, if any
+                step()
+            except Exception as e:  # noqa: BLE001 (handed to whoever waits for the average)
+                if not done.done():
+                    done.set_exception(e)
+        return run
+
+    def across():  # on the thread of the node's group, which then takes the next bucket's reduce-scatter
+        work = all_reduce(shard, codec=codec, group=cross_group, async_op=True, check_call=check_call,
+                          residual=residual)
+        work.get_future().add_done_callback(completing(gather))
+
+    def gather():  # on the thread of the group across nodes
         _all_gather_tensor(padded, shard, group=local_group)
         if padded is not tensor:
             tensor.copy_(padded[:tensor.numel()])
-        return tensor
+        done.set_result(tensor)
 
     scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
-    return scattered.get_future().then(across_and_gather)
+    scattered.get_future().add_done_callback(completing(across))
+    return done
 
 
 # DDP.register_comm_hook refuses any hook whose __name__ is "bf16_compress_hook" unless CUDA and

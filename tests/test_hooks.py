@@ -154,6 +154,11 @@ def hierarchical_misuse(rank, size):
     x, y = batch(rank, 0)
     with pytest.raises(Exception, match="hierarchical_hook takes a gradsync.hooks.HierarchicalState"):
         F.mse_loss(ddp(x), y).backward()
+    # the nodes disagree on the codec: every rank's backward raises (none waits for a failed step)
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(hooks.HierarchicalState(2, "fp16" if rank >= 2 else "fp8_e4m3"), hooks.hierarchical_hook)
+    with pytest.raises(Exception, match="the ranks disagree on the call"):
+        F.mse_loss(ddp(x), y).backward()
     return True
 
 
