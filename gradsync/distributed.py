@@ -356,8 +356,9 @@ def shutdown():
     since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
     left unusable stays so: later calls on it raise, as they did before.
     """
-    while _engines:
-        group, engine = _engines.popitem()
+    while _engines:  # in the order they were made: a call's callbacks may issue calls on groups made after it
+        group = next(iter(_engines))
+        engine = _engines.pop(group)
         engine.stop()
         if engine.broken:
             _broken[group] = engine.broken

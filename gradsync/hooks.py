@@ -133,6 +133,8 @@ def _resolve_state(state):
         if state not in _default_states:
             _default_states[state] = GradSyncState(state)
         return state, _default_states[state]
+    if isinstance(state, HierarchicalState):  # its process group is the one across nodes only
+        raise TypeError("a gradsync.hooks.HierarchicalState is the state of hierarchical_hook alone")
     if isinstance(state, GradSyncState):
         return state.process_group, state
     raise TypeError(f"the hook state must be None, a torch.distributed ProcessGroup or a gradsync.hooks.GradSyncState, "
@@ -206,9 +208,11 @@ class HierarchicalState(GradSyncState):
     Give ``local_size`` (ranks per node, default: torchrun's ``LOCAL_WORLD_SIZE``) and both groups
     are made here from the default group, each node being ``local_size`` consecutive ranks as
     torchrun numbers them; making groups is collective, so every rank constructs its state at the
-    same point. Or pass both groups. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to
-    the all-reduce across nodes; the residual then has the shard's size, 1/``local_size`` of the
-    bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step).
+    same point. Or pass both groups, which are checked (collectively too): every rank of a cross
+    group must hold the same place in a node of the same size. ``codec`` (default fp8 e4m3) and
+    ``error_feedback`` apply to the all-reduce across nodes; the residual then has the shard's size,
+    1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its buckets
+    after the first step).
     """
 
     def __init__(self, local_size: Optional[int] = None, codec: str = "fp8_e4m3", error_feedback: bool = False, *,
@@ -217,14 +221,21 @@ class HierarchicalState(GradSyncState):
             raise ValueError("pass both local_group and cross_group, or neither (and local_size)")
         if local_group is None:
             local_group, cross_group = _node_groups(local_size)
+        else:
+            _check_node_groups(local_group, cross_group)
         super().__init__(cross_group, codec, error_feedback)
         self.local_group, self.cross_group = local_group, cross_group
         self._shard_residuals = {}
+        self.broken = None  # why a failed step left this state unusable
 
     def shard_residual(self, bucket: dist.GradBucket, numel: int, device: torch.device) -> torch.Tensor:
-        key = (tuple(id(p) for p in bucket.parameters()), numel, device)
+        params = tuple(id(p) for p in bucket.parameters())
+        key = (params, numel, device)
         residual = self._shard_residuals.get(key)
         if residual is None:
+            # a rebuilt bucket's parameters leave their old one, whose residual is dropped with it
+            for old in [k for k in self._shard_residuals if set(k[0]) & set(params)]:
+                del self._shard_residuals[old]
             residual = self._shard_residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
             if bucket.parameters():  # dropped with the model
                 weakref.finalize(bucket.parameters()[0], self._shard_residuals.pop, key, None)
@@ -250,6 +261,17 @@ def _node_groups(local_size):
     return local, cross
 
 
+def _check_node_groups(local_group, cross_group):
+    """Every rank of the cross group holds the same place in a node of the same size: otherwise its
+    shards would be different chunks of the buckets, and summed all the same."""
+    mine = (local_group.rank(), local_group.size())
+    places = [None] * cross_group.size()
+    dist.all_gather_object(places, mine, group=cross_group)
+    if any(place != mine for place in places):
+        raise ValueError(f"the cross group's ranks must hold the same place in nodes of one size, got (place, node "
+                         f"size) {places}")
+
+
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -263,19 +285,35 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     Against gradsync's flat ring over all n ranks: only the c-1 hops between nodes (c nodes) round
     to the codec, not n-1, and the host issues 2(c-1) hops per slice across nodes instead of
     2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
-    each link carries are those of NCCL's own multi-node rings, less the codec's saving. Buckets
-    pipeline: while one is all-reduced across the nodes, the next is reduce-scattered in the node.
+    each link carries are those of NCCL's own multi-node rings, less the codec's saving. A bucket's
+    steps run one after another on gradsync's thread of the node's group, so every rank launches
+    the collectives of its communicators in the same order.
+
+    A step that fails (ranks that disagree on the call, a transport failure) fails the bucket's
+    future and leaves the state unusable: its later calls raise, and the ranks that wait for this
+    one's later steps fail at their group's timeout.
 
     Example::
         >>> ddp_model.register_comm_hook(HierarchicalState(local_size=8, error_feedback=True), hierarchical_hook)
     """
     if not isinstance(state, HierarchicalState):
         raise TypeError(f"hierarchical_hook takes a gradsync.hooks.HierarchicalState, got {type(state).__name__}")
+    if state.broken:
+        raise RuntimeError(f"gradsync.hooks.hierarchical_hook: an earlier step failed ({state.broken}); this state's "
+                           "groups may hold collectives its peers still wait in")
     buffer = bucket.buffer()
     shard_numel = -(-buffer.numel() // state.local_group.size())
     residual = state.shard_residual(bucket, shard_numel, buffer.device) if state.error_feedback else None
     check = state.needs_check(bucket, state.codec)
     done = hierarchical_average(buffer, state.local_group, state.cross_group, state.codec, check, residual)
+
+    def failed(fut):
+        try:
+            return fut.value()
+        except Exception as e:
+            state.broken = str(e)
+            raise
+    done = done.then(failed)
     return done.then(state._value_once_agreed(bucket, state.codec)) if check and bucket.parameters() else done
 
 
@@ -290,32 +328,22 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
     padded = tensor if shard_numel * per_node == tensor.numel() else \
         torch.cat([tensor, tensor.new_zeros(shard_numel * per_node - tensor.numel())])
     shard = tensor.new_empty(shard_numel)
-    done = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
 
-    def completing(step):  # a step's failure fails the average: DDP must never wait for it forever
-        def run(fut):
-            try:
-                fut.value()  # raises the previous step's error, if any
-                step()
-            except Exception as e:  # noqa: BLE001 (handed to whoever waits for the average)
-                if not done.done():
-                    done.set_exception(e)
-        return run
-
-    def across():  # on the thread of the node's group, which then takes the next bucket's reduce-scatter
-        work = all_reduce(shard, codec=codec, group=cross_group, async_op=True, check_call=check_call,
-                          residual=residual)
-        work.get_future().add_done_callback(completing(gather))
-
-    def gather():  # on the thread of the group across nodes
+    def across_and_gather(fut):  # on gradsync's thread of the node's group
+        fut.value()  # raises the reduce-scatter's error, if any
+        all_reduce(shard, codec=codec, group=cross_group, check_call=check_call, residual=residual)
         _all_gather_tensor(padded, shard, group=local_group)
         if padded is not tensor:
             tensor.copy_(padded[:tensor.numel()])
-        done.set_result(tensor)
+        if tensor.is_cuda:  # allocated on the caller's stream, last used on this one
+            stream = torch.cuda.current_stream(tensor.device)
+            shard.record_stream(stream)
+            if padded is not tensor:
+                padded.record_stream(stream)
+        return tensor
 
     scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
-    scattered.get_future().add_done_callback(completing(across))
-    return done
+    return scattered.get_future().then(across_and_gather)
 
 
 # DDP.register_comm_hook refuses any hook whose __name__ is "bf16_compress_hook" unless CUDA and

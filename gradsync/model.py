@@ -272,7 +272,7 @@ def allreduce_time(numel, n, link, kernels, impl, check_call=True):
     if impl == NCCL_FP32:
         return ring_time(numel, n, nccl_link(link, n), kernels, plain=True) + numel * kernels.encode["none"]
     if impl.startswith(HIERARCHICAL):  # nodes of GPUS_PER_NODE on NODE_LINK, `link` between them
-        return hierarchical_time(numel, n, GPUS_PER_NODE, NODE_LINK, link, kernels, impl.split()[-1])
+        return hierarchical_time(numel, n, GPUS_PER_NODE, NODE_LINK, link, kernels, impl.split()[-1], check_call)
     if impl == RING_FP16:
         kernels = replace(kernels, direct_bytes=0)
     return ring_time(numel, n, link, kernels, impl.split()[1], check_call=check_call and impl != UNCHECKED_FP16)
@@ -286,22 +286,17 @@ HIERARCHICAL = "hierarchical "  # allreduce_time's impl prefix: "hierarchical gr
 NCCL_FP32 = "NCCL fp32"  # allreduce_time's impl: torch's all_reduce on GPUs, as NCCL runs it on a cluster
 
 
-def hierarchical_stages(numel, n, per_node, node_link, link, kernels, codec):
-    """hooks.hierarchical_hook's two pipeline stages for one bucket, after its first step (no
-    agreement check): (gradsync's reduce-scatter inside the node, codec "none": half its ring;
-    the all-reduce of each rank's 1/per_node shard across the n/per_node nodes on `codec`, every
-    rank on its own `link`, then the node's all-gather with NCCL, half its plain ring)."""
+def hierarchical_time(numel, n, per_node, node_link, link, kernels, codec, check_call=False):
+    """hooks.hierarchical_hook on one bucket: gradsync's reduce-scatter inside the node (codec
+    "none": half its ring), the all-reduce of each rank's 1/per_node shard across the n/per_node
+    nodes on `codec` (every rank on its own `link`), and the node's all-gather with NCCL (half its
+    plain ring), one after another. `check_call`: the agreement checks of a bucket's first step."""
     if n % per_node:
         raise ValueError(f"{per_node} ranks per node do not divide {n}")
-    inside = ring_time(numel, per_node, node_link, kernels, "none", check_call=False) / 2
-    across = ring_time(-(-numel // per_node), n // per_node, link, kernels, codec, check_call=False)
+    inside = ring_time(numel, per_node, node_link, kernels, "none", check_call=check_call) / 2
+    across = ring_time(-(-numel // per_node), n // per_node, link, kernels, codec, check_call=check_call)
     gather = ring_time(numel, per_node, node_link, kernels, plain=True) / 2
-    return inside, across + gather
-
-
-def hierarchical_time(numel, n, per_node, node_link, link, kernels, codec):
-    """One bucket through hooks.hierarchical_hook: its stages one after another."""
-    return sum(hierarchical_stages(numel, n, per_node, node_link, link, kernels, codec))
+    return inside + across + gather
 
 
 def nccl_link(link, n):
@@ -488,18 +483,9 @@ BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024, 4096]
 
 def step_time(params, n, link, kernels, impl, bucket_bytes):
     """One step's gradient sync: the fp32 gradients in buckets, all-reduced one after another, without
-    the agreement check (the hooks and DataParallel check a bucket at its first all-reduce only).
-    The hierarchical hook's buckets pipeline: a bucket's reduce-scatter in the node runs while the
-    bucket before it crosses the nodes."""
+    the agreement check (the hooks and DataParallel check a bucket at its first all-reduce only)."""
     bucket = min(params, bucket_bytes // 4)
     full, rest = divmod(params, bucket)
-    if impl.startswith(HIERARCHICAL):
-        stages = [hierarchical_stages(b, n, GPUS_PER_NODE, NODE_LINK, link, kernels, impl.split()[-1])
-                  for b in [bucket] * full + ([rest] if rest else [])]
-        t = stages[0][0]
-        for (_, across), (inside, _) in zip(stages, stages[1:]):
-            t += max(across, inside)
-        return t + stages[-1][1]
     t = full * allreduce_time(bucket, n, link, kernels, impl, check_call=False)
     return t + (allreduce_time(rest, n, link, kernels, impl, check_call=False) if rest else 0.0)
 
@@ -626,9 +612,10 @@ def hierarchical_table(kernels, bucket_mb):
     lines = [f"## Hierarchical sync (hooks.hierarchical_hook): nodes of {GPUS_PER_NODE} GPUs on {NODE_LINK.name}; "
              f"{bucket_mb} MB buckets; ms per step (speedup vs NCCL fp32)",
              "(the hook reduce-scatters inside the node with gradsync in fp32, all-reduces each 1/8 shard across the",
-             "n/8 nodes on the codec, every GPU on its own NIC, and all-gathers inside the node with NCCL; a bucket's",
-             "reduce-scatter overlaps the previous bucket's steps across nodes. NCCL's fp32 ring runs a ring per",
-             "NIC; gradsync's flat fp8 ring beside)",
+             "n/8 nodes on the codec, every GPU on its own NIC, and all-gathers inside the node with NCCL, one",
+             "step after another. NCCL's fp32 ring runs a ring per NIC; gradsync's flat fp8 ring beside. At",
+             "hundreds of GPUs the host issuing gradsync's hops across nodes sets its pace, not the codec, and",
+             "NCCL's trees, not modelled, would cut NCCL's 2(n-1) link latencies)",
              f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{c:>16}" for c in
                                                              ("NCCL fp32", "flat fp8", "hier. fp16", "hier. fp8"))]
     for n, link in TOPOLOGIES:

@@ -154,12 +154,48 @@ def hierarchical_misuse(rank, size):
     x, y = batch(rank, 0)
     with pytest.raises(Exception, match="hierarchical_hook takes a gradsync.hooks.HierarchicalState"):
         F.mse_loss(ddp(x), y).backward()
-    # the nodes disagree on the codec: every rank's backward raises (none waits for a failed step)
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)  # its process group is the one across nodes only
+    ddp.register_comm_hook(hooks.HierarchicalState(2), hooks.fp16_compress_hook)
+    with pytest.raises(Exception, match="the state of hierarchical_hook alone"):
+        F.mse_loss(ddp(x), y).backward()
+    # groups given by hand: a cross group whose ranks hold different places in their nodes
+    _, cross = hooks._node_groups(2)
+    with pytest.raises(ValueError, match="same place in nodes of one size"):
+        hooks.HierarchicalState(local_group=dist.group.WORLD, cross_group=cross)
+    # the nodes disagree on the codec: every rank's backward raises (none waits for a failed step),
+    # and the state stays unusable
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
     ddp.register_comm_hook(hooks.HierarchicalState(2, "fp16" if rank >= 2 else "fp8_e4m3"), hooks.hierarchical_hook)
     with pytest.raises(Exception, match="the ranks disagree on the call"):
         F.mse_loss(ddp(x), y).backward()
+    with pytest.raises(Exception, match="an earlier step failed"):
+        F.mse_loss(ddp(x), y).backward()
     return True
+
+
+class FakeBucket:
+    def __init__(self, params):
+        self._params = params
+
+    def parameters(self):
+        return self._params
+
+
+def shard_residuals_on_rebuild(rank, size):
+    """DDP rebuilds its buckets after the first step: a parameter's old shard residual goes with its
+    old bucket, and the residuals of buckets untouched stay."""
+    state = hooks.HierarchicalState(2, error_feedback=True)
+    a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    first, kept = state.shard_residual(FakeBucket([a, b]), 3, "cpu"), state.shard_residual(FakeBucket([c]), 2, "cpu")
+    first += 1
+    rebuilt = state.shard_residual(FakeBucket([b, a]), 3, "cpu")
+    assert len(state._shard_residuals) == 2 and not rebuilt.any()
+    assert state.shard_residual(FakeBucket([c]), 2, "cpu") is kept
+    return True
+
+
+def test_hierarchical_shard_residuals_follow_bucket_rebuilds(worlds):
+    assert all(worlds(4).run(shard_residuals_on_rebuild))
 
 
 def test_hierarchical_hook_refuses_what_it_cannot_take(worlds):

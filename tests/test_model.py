@@ -136,15 +136,6 @@ def test_hierarchical_sync_is_a_node_reduce_scatter_a_shard_ring_and_a_node_all_
         model.hierarchical_time(NUMEL, 16, 3, node, nic, FREE, "fp16")
 
 
-def test_hierarchical_buckets_pipeline_the_node_and_the_nodes():
-    nic = link(bandwidth=1e9)
-    params, n = NUMEL * 4, 64  # four buckets of NUMEL
-    inside, across = model.hierarchical_stages(NUMEL, n, model.GPUS_PER_NODE, model.NODE_LINK, nic, FREE, "fp16")
-    assert across > inside > 0
-    t = model.step_time(params, n, nic, FREE, model.HIERARCHICAL + "gradsync fp16", NUMEL * 4)
-    assert t == pytest.approx(inside + 4 * across, rel=1e-9)  # the first reduce-scatter, then the nodes' pace
-
-
 def test_nccl_runs_a_ring_per_nic_across_nodes():
     nic = link(bandwidth=1e9)
     assert model.nccl_link(nic, model.GPUS_PER_NODE) is nic
