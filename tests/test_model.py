@@ -214,12 +214,16 @@ DAY_RUNS = [("2026-12-01-netem-4hosts.json", 0), ("2026-12-01-netem-4hosts-unche
             ("2026-12-01-netem-4hosts-iqm.json", 1), ("2026-12-01-netem-4hosts-rerun.json", 1)]
 
 
-@pytest.mark.parametrize("netem_json,outside", DAY_RUNS)
-def test_predictions_against_the_interleaved_runs(netem_json, outside):
+def validated(netem_json, day):
+    """The model's rows for a committed netem run, with a day's (kernels, loopback run) JSON."""
     with open(os.path.join(RESULTS, netem_json)) as f:
         netem = json.load(f)
-    rows = model.validate(netem, os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json"),
-                          os.path.join(RESULTS, "2026-12-01-cpu-allreduce-4ranks-interleaved.json"))
+    return model.validate(netem, *(os.path.join(RESULTS, p) for p in day))
+
+
+@pytest.mark.parametrize("netem_json,outside", DAY_RUNS)
+def test_predictions_against_the_interleaved_runs(netem_json, outside):
+    rows = validated(netem_json, ("2026-12-01-cpu-kernels-1thread.json", "2026-12-01-cpu-allreduce-4ranks-interleaved.json"))
     assert set(model.IMPLS) | {model.RING_FP16} <= {r["impl"] for r in rows} <= set(model.VALIDATED_IMPLS)
     assert {r["rate"] for r in rows} == {"500mbit", "1gbit", "2gbit"}
     assert {r["bytes"] for r in rows} == {1024 * 4**k for k in range(9)}
@@ -379,9 +383,7 @@ AMD_RUNS = [("2026-12-03-amd-netem-2hosts.json", 0), ("2026-12-03-amd-netem-3hos
 
 @pytest.mark.parametrize("netem_json,outside", AMD_RUNS)
 def test_predictions_on_another_machine(netem_json, outside):
-    with open(os.path.join(RESULTS, netem_json)) as f:
-        netem = json.load(f)
-    rows = model.validate(netem, *(os.path.join(RESULTS, p) for p in DAY_12_03_AMD))
+    rows = validated(netem_json, DAY_12_03_AMD)
     assert {r["bytes"] for r in rows} == {1024 * 4**k for k in range(9)} and len(rows) == 62
     misses = [r for r in rows if abs(r["error"]) > 0.25]
     assert len(misses) == outside and all(r["bytes"] <= 64 << 10 for r in misses), model.validation_table(misses)
