@@ -455,7 +455,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
         C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
         C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
       });
-      compare_ring_calls(host.data(), n);  // every rank raises alike; the communicator stays usable
+      compare_ring_calls(host.data(), n, rank());  // every rank raises alike; the communicator stays usable
     });
   }
   if (unprepared) {

@@ -150,6 +150,9 @@ void check_payload(const at::Tensor& payload, int64_t n, const at::Tensor& x) {
               "gradsync: an fp8 payload of ", n, " elements is ", fp8_payload_bytes(n), " contiguous bytes");
   TORCH_CHECK(x.is_contiguous() && x.numel() == n, "gradsync: expected a contiguous tensor of ", n, " elements");
   check_same_device(payload, x);
+  // the CUDA kernels access the block scales as floats, which a misaligned address would fault on
+  TORCH_CHECK(!payload.is_cuda() || reinterpret_cast<uintptr_t>(payload.data_ptr()) % 4 == 0,
+              "gradsync: an fp8 payload on CUDA must start at a 4-byte aligned address");
 }
 
 void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, double scale_d) {

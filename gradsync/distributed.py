@@ -254,6 +254,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     """
     _check_tensor(tensor, "tensor", "all_reduce")
     _check_codec(codec)
+    async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
     if residual is not None:
         _check_residual(residual, tensor)
     group = _resolve_group(group)
@@ -319,6 +320,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
         raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on {input.device}) "
                          "must have one dtype and device")
     _check_codec(codec)
+    async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
     group = _resolve_group(group)
     n, rank = group.size(), group.rank()
     if input.numel() != n * output.numel():

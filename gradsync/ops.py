@@ -60,6 +60,8 @@ def _check_scale(scale, name="scale"):
 
 
 def _check_codec(codec):
+    if not isinstance(codec, str):
+        raise TypeError(f"codec must be a str, one of {', '.join(CODECS)}; got {type(codec).__name__}")
     if codec not in _CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 
@@ -88,6 +90,48 @@ def _check_out(out, numel, dtype, device, name="out"):
         raise ValueError(f"{name} must be contiguous")
 
 
+def _byte_span(t):
+    """[first, last + 1) byte addresses of a non-empty tensor's elements (torch strides are >= 0)."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _check_segments(tensors, name, buf, buf_name, one=False):
+    """Raises unless each of ``tensors`` (copied to or from consecutive segments of ``buf``) shares no
+    memory with ``buf``, or is exactly its own segment of ``buf`` in ``buf``'s dtype (then each element
+    is read and written in place, which is safe). Returns the tensors' byte spans (empty ones left out)
+    as (start, end, index). ``one``: ``tensors`` is the single tensor called ``name``."""
+    spans, offset = [], 0
+    lo, hi = _byte_span(buf) if buf.numel() else (0, 0)
+    for i, t in enumerate(tensors):
+        numel = t.numel()
+        if numel:
+            start, end = _byte_span(t)
+            spans.append((start, end, i))
+            if start < hi and lo < end and t.device == buf.device and not (
+                    t.dtype == buf.dtype and start == lo + offset * buf.element_size() and t.is_contiguous()):
+                raise ValueError(f"{name if one else f'{name}[{i}]'} shares memory with {buf_name} other than as its own segment "
+                                 f"({buf_name}[{offset}:{offset + numel}]) of the same dtype: the result would depend "
+                                 "on the order of the kernel's reads and writes; clone() it first")
+        offset += numel
+    return spans
+
+
+def _check_writable(t, name):
+    """The kernels write behind autograd's back: refuse tensors autograd would track."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, and gradsync's kernels are not differentiable: write into it "
+                         "under torch.no_grad() (or pass its .detach())")
+
+
+def _mark_written(tensors):
+    # bumps the version counters, as an in-place torch op does, so that autograd sees a tensor it
+    # saved for backward was overwritten
+    torch.autograd.graph.increment_version(tensors)
+
+
 def payload_nbytes(codec: str, numel: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes on the wire for ``numel`` elements under ``codec`` (``dtype``: the input dtype, used by "none")."""
     _check_codec(codec)
@@ -106,7 +150,9 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     """Concatenates ``tensors`` into one contiguous 1-D buffer, each element multiplied by ``scale`` in
     fp32 and cast to ``dtype``, in one pass.
 
-    Equals ``torch.cat([(t.float() * scale).to(dtype).flatten() for t in tensors])`` bit for bit.
+    Equals ``torch.cat([(t.float() * scale).to(dtype).flatten() for t in tensors])`` bit for bit (a NaN
+    stays a NaN, its bits aside). ``out`` may hold inputs only as their own segments (in place); any
+    other shared memory raises ValueError, as does an ``out`` that requires grad under grad mode.
     Inputs may mix float32/float16/bfloat16, have any shape, be empty or non-contiguous; all must be
     on one device. ``dtype`` defaults to the inputs' promoted dtype (or ``out.dtype``).
     """
@@ -129,7 +175,10 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
         out = torch.empty(numel, dtype=dtype, device=tensors[0].device)
     else:
         _check_out(out, numel, dtype, tensors[0].device if tensors else out.device)
+        _check_writable(out, "out")
+        _check_segments(tensors, "tensors", out, "out")
     _C.flatten_into(tensors, out, scale)
+    _mark_written(out)
     return out
 
 
@@ -138,6 +187,8 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     ``scale`` in fp32 and cast to the tensor's dtype, in one pass (the inverse of :func:`flatten`).
 
     ``flat`` must hold at least as many elements as the tensors together; any extra tail is ignored.
+    A tensor may be its own segment of ``flat``; tensors that share memory otherwise (with ``flat`` or
+    with each other) raise ValueError. Writes bump the tensors' autograd versions.
     """
     _check_float_tensor(flat, "flat")
     tensors = _check_tensor_list(tensors, "tensors")
@@ -150,9 +201,24 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     for i, t in enumerate(tensors):
         if t.device != flat.device:
             raise ValueError(f"tensors[{i}] is on {t.device} but flat is on {flat.device}")
-        if t.numel() > 1 and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        if not t.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
             raise ValueError(f"tensors[{i}] is an expanded view (a stride of 0); it cannot be written element-wise")
+        _check_writable(t, f"tensors[{i}]")
+    _check_destinations(flat[:numel], tensors)
     _C.unflatten_from(flat, tensors, scale)
+    _mark_written(tensors)
+
+
+def _check_destinations(read, tensors):
+    """No two tensors written share memory, nor does one share memory with the part of ``flat`` read,
+    except as its own segment."""
+    spans = _check_segments(tensors, "tensors", read, "flat")
+    spans.sort()
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            i, j = min(i, j), max(i, j)
+            raise ValueError(f"tensors[{i}] and tensors[{j}] share memory: both would be written; pass each "
+                             "destination once")
 
 
 def _payload_dtype(codec, x_dtype):
@@ -183,11 +249,14 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
         out = torch.empty(length, dtype=dtype, device=x.device)
     else:
         _check_out(out, length, dtype, x.device)
+        _check_writable(out, "out")
+        _check_segments([x], "x", out, "out", one=True)
     if codec == "none" or codec in _CAST_DTYPES:
         _C.flatten_into([x], out, scale)
     else:
         _check_fp8_payload_alignment(out, "out")
         _C.fp8_encode(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
+    _mark_written(out)
     return out
 
 
@@ -218,9 +287,12 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
         out = torch.empty(numel, dtype=dtype, device=payload.device)
     else:
         _check_out(out, numel, dtype, payload.device)
+        _check_writable(out, "out")
+        _check_segments([payload], "payload", out, "out", one=True)
     if wire_numel is not None:
         _C.unflatten_from(payload.view(-1), [out], scale)
     else:
         _check_fp8_payload_alignment(payload, "payload")
         _C.fp8_decode(payload.view(-1), out, _CODEC_IDS[codec], scale)
+    _mark_written(out)
     return out

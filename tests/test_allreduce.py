@@ -324,7 +324,12 @@ def disagreeing_calls(rank, size):
 
 def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
     for messages in worlds(3).run(disagreeing_calls):
-        assert all("the ranks disagree" in m for m in messages)
+        assert all(m.startswith("gradsync.all_reduce: the ranks disagree") for m in messages), messages
+        numel, far, dtype, codec, scale, schedule = messages
+        assert "group rank 1 has numel 1001" in numel and "group rank 0 has numel 1000" in numel
+        assert "dtype float16" in dtype and "dtype float32" in dtype
+        assert "codec fp8_e5m2" in codec and "codec fp16" in codec
+        assert "schedule direct" in schedule and "schedule ring" in schedule
 
 
 def out_of_memory_on_one_rank(rank, size, victim, check_call):
@@ -695,6 +700,9 @@ def test_scales():
      "residual must be a contiguous float32"),
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(5)), ValueError, "residual must match"),
     (lambda x=torch.randn(8): gradsync.all_reduce(x[:4], residual=x[3:7]), ValueError, "residual shares memory"),
+    (lambda: gradsync.all_reduce(torch.randn(4), async_op="yes"), TypeError, "async_op must be True or False"),
+    (lambda: gradsync.all_reduce(torch.randn(4), check_call=None), TypeError, "check_call must be True or False"),
+    (lambda: gradsync.all_reduce(torch.randn(4), codec=["fp16"]), TypeError, "codec must be a str"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error) as info:

@@ -88,3 +88,84 @@ def test_private_module_guards_the_kernels_too():
         _C.fp8_encode(meta, torch.empty(20, dtype=torch.uint8, device="meta"), 3, 1.0)
     with pytest.raises(RuntimeError, match="instruction set 'sse9'"):
         _C.set_cpu_isa("sse9")
+
+
+def _overlapping_calls():
+    a = torch.arange(10.0)
+    h = torch.arange(10.0).half()
+    u8 = torch.zeros(64, dtype=torch.uint8)
+    return [
+        (lambda: gradsync.flatten([a[:4], a[4:8]], out=a[2:10]), "tensors[0] shares memory with out"),
+        (lambda: gradsync.flatten([a[4:8], a[:4]], out=a[:8]), "tensors[0] shares memory with out"),
+        (lambda: gradsync.flatten([a[::2]], out=a[:5]), "tensors[0] shares memory with out"),
+        (lambda: gradsync.flatten([a[:5].view(torch.int32).view(torch.float32)[:2].half()], out=h[:2]), None),
+        (lambda: gradsync.unflatten(a, [a[1:6]]), "tensors[0] shares memory with flat"),
+        (lambda: gradsync.unflatten(h, [h[:5].float()[:0], a[:5]]), None),
+        (lambda: gradsync.unflatten(torch.randn(8), [a[:4], a[2:6]]), "tensors[0] and tensors[1] share memory"),
+        (lambda: gradsync.unflatten(torch.randn(20), [a, a]), "tensors[0] and tensors[1] share memory"),
+        (lambda: gradsync.compress(a[1:], "none", out=a[:9]), "x shares memory with out"),
+        (lambda: gradsync.compress(a[:8], "fp8_e4m3", out=a.view(torch.uint8)[:20]), "x shares memory with out"),
+        (lambda: gradsync.decompress(h, "fp16", 10, dtype=torch.float16, out=h.flip(0).flip(0)), None),
+        (lambda: gradsync.decompress(u8[:20], "fp8_e4m3", 10, out=u8[4:44].view(torch.float32)),
+         "payload shares memory with out"),
+        (lambda: gradsync.decompress(h[:4], "fp16", 4, out=h[:8].view(torch.float32)), "payload shares memory with out"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_overlapping_calls())))
+def test_partial_overlap_raises_like_torch_cat(case):
+    call, words = _overlapping_calls()[case]
+    if words is None:
+        call()  # memory of its own: no error
+        return
+    with pytest.raises(ValueError) as info:
+        call()
+    assert words in str(info.value)
+
+
+def test_exact_in_place_segments_stay_allowed():
+    torch.manual_seed(0)
+    buf = torch.randn(12)
+    before = buf.clone()
+    gradsync.flatten([buf[:5], buf[5:12].view(7)], out=buf, scale=2.0)  # each input is its own segment
+    assert torch.equal(buf, before * 2)
+    gradsync.unflatten(buf, [buf[:5], buf[5:]], scale=0.5)
+    assert torch.equal(buf, before)
+    half = before.half()
+    gradsync.compress(half, "fp16", out=half)
+    gradsync.decompress(half, "fp16", 12, dtype=torch.float16, out=half)
+    assert torch.equal(half, before.half())
+
+
+def test_writes_bump_autograd_versions_and_refuse_tracked_tensors():
+    w = torch.randn(6, requires_grad=True)
+    y = w.detach().clone()
+    saved = y.clone().requires_grad_()
+    z = saved * 1.0
+    loss = (z * z).sum()  # saves z for backward
+    before = z._version
+    with torch.no_grad():
+        gradsync.unflatten(torch.randn(6), [z])
+    assert z._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = torch.empty(6)
+    v = out._version
+    gradsync.flatten([y], out=out)
+    gradsync.decompress(gradsync.compress(y, "fp16"), "fp16", 6, out=out)
+    assert out._version >= v + 2
+    with pytest.raises(ValueError, match="tensors\\[0\\] requires grad"):
+        gradsync.unflatten(torch.randn(6), [w])
+    with pytest.raises(ValueError, match="out requires grad"):
+        gradsync.flatten([y], out=torch.empty(6, requires_grad=True))
+    with pytest.raises(ValueError, match="out requires grad"):
+        gradsync.decompress(torch.randn(6).half(), "fp16", 6, out=torch.empty(6, requires_grad=True))
+    with torch.no_grad():
+        gradsync.unflatten(torch.randn(6), [w])  # as torch allows in-place writes to leaves under no_grad
+
+
+def test_codec_and_flags_are_type_checked():
+    with pytest.raises(TypeError, match="codec must be a str"):
+        gradsync.compress(x, ["fp16"])
+    with pytest.raises(TypeError, match="codec must be a str"):
+        gradsync.payload_nbytes(None, 3)

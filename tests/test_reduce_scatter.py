@@ -123,6 +123,8 @@ def disagreeing(rank, size):
                 gradsync.reduce_scatter(out, x)
         except ValueError as e:
             messages.append(str(e))
+            own = "all_reduce" if call == "operation" and rank == 1 else "reduce_scatter"
+            assert str(e).startswith(f"gradsync.{own}: the ranks disagree"), str(e)
     gradsync.reduce_scatter(out, x)  # the group is still usable
     return messages
 
@@ -146,6 +148,7 @@ def bad_calls(rank, size):
         (lambda: gradsync.reduce_scatter(torch.empty(4), x, residual=x), ValueError, "residual shares memory"),
         (lambda: gradsync.reduce_scatter(both[:4], x, residual=both[3:]), ValueError, "residual shares memory"),
         (lambda: gradsync.reduce_scatter(torch.empty(8)[::2], x), ValueError, "output must be contiguous"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4), x, async_op=1.5), TypeError, "async_op must be True or False"),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words):

@@ -2,7 +2,10 @@
 //
 // Every conversion here rounds to nearest, ties to even, exactly like IEEE hardware conversions
 // (x86 F16C, CUDA's __float2half_rn) and like torch's own casts. Keeping one definition for both
-// back ends is what makes the CPU kernels a bitwise twin of the CUDA ones.
+// back ends is what makes the CPU kernels a bitwise twin of the CUDA ones, for every finite value,
+// infinity and signed zero. NaN stays NaN, but where a kernel stores through the hardware's own
+// conversion its sign and payload are the hardware's (CUDA's canonical 0x7fff, F16C's quieted
+// input), so NaN bits are not part of the twin contract; the ring's sums are (hop_sum).
 #pragma once
 
 #include <cstdint>

@@ -125,28 +125,42 @@ void exchange_ring_calls(Transport& t, RingCall* table, uint32_t tag) {
   t.wait_all();
 }
 
-void compare_ring_calls(const RingCall* table, int n) {
-  const std::string op = table[0].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce";
+namespace {
+
+const char* dtype_name(int32_t dtype) {
+  static const char* const names[] = {"float32", "float16", "bfloat16"};
+  return dtype >= 0 && dtype < 3 ? names[dtype] : "unknown";
+}
+
+const char* codec_name(int32_t codec) {
+  static const char* const names[] = {"none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"};
+  return codec >= 0 && codec < 5 ? names[codec] : "unknown";
+}
+
+}  // namespace
+
+void compare_ring_calls(const RingCall* table, int n, int self) {
+  const std::string op = table[self].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce";
   std::ostringstream unprepared;
   for (int i = 0; i < n; ++i) {
     if (table[i].unprepared) unprepared << (unprepared.tellp() ? ", " : "") << i;
   }
   if (unprepared.tellp()) {
-    throw std::invalid_argument(op + ": rank(s) " + unprepared.str() + " could not prepare the call "
+    throw std::invalid_argument(op + ": group rank(s) " + unprepared.str() + " could not prepare the call "
                                 "(allocating its workspaces, for one) and raise the reason there; no rank has "
                                 "written anything");
   }
   std::ostringstream diff;
   const auto describe = [&](const RingCall& c) {
-    diff << "numel " << c.numel << ", dtype " << c.dtype << ", codec " << c.codec << ", prescale " << c.prescale
-         << ", postscale " << c.postscale << ", schedule " << (c.direct ? "direct" : "ring") << ", operation "
-         << (c.scatter ? "reduce_scatter" : "all_reduce");
+    diff << "numel " << c.numel << ", dtype " << dtype_name(c.dtype) << ", codec " << codec_name(c.codec)
+         << ", prescale " << c.prescale << ", postscale " << c.postscale << ", schedule "
+         << (c.direct ? "direct" : "ring") << ", operation " << (c.scatter ? "reduce_scatter" : "all_reduce");
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
-      diff << " rank " << i << " has ";
+      diff << " group rank " << i << " has ";
       describe(table[i]);
-      diff << " but rank 0 has ";
+      diff << " but group rank 0 has ";
       describe(table[0]);
       diff << ";";
     }
@@ -168,7 +182,7 @@ void check_ring_call(Transport& t, const RingCall& call, uint32_t tag) {
     static_cast<void>(table.release());  // leaked on purpose: messages still in flight may read or write it
     throw;
   }
-  compare_ring_calls(table.get(), n);
+  compare_ring_calls(table.get(), n, t.rank());
 }
 
 namespace {

@@ -141,9 +141,9 @@ constexpr int kDirectExchangeRanks = 8;
 void check_ring_call(Transport& transport, const RingCall& call, uint32_t tag);
 // The two halves, for transports whose memory the host cannot read directly: an all-gather of every
 // rank's record into `table` (n records, this rank's at its index, in transport memory), and the
-// comparison (throws std::invalid_argument).
+// comparison (throws std::invalid_argument, in the words of rank `self`'s operation).
 void exchange_ring_calls(Transport& transport, RingCall* table, uint32_t tag);
-void compare_ring_calls(const RingCall* table, int n);
+void compare_ring_calls(const RingCall* table, int n, int self);
 
 // The all-reduce. `recv_image` and `send_image` are workspaces of plan.layout(...) bytes each, in
 // memory the transport and the kernels can both use. The result is written in the all-gather,

@@ -187,7 +187,8 @@ cudaEvent_t NcclTransport::record(cudaStream_t stream) {
 }
 
 void NcclTransport::group_begin() {
-  if (depth_++ == 0) call(ncclGroupStart(), "ncclGroupStart");
+  if (depth_ == 0) call(ncclGroupStart(), "ncclGroupStart");  // counted once open: a failed start has nothing to end
+  ++depth_;
 }
 
 void NcclTransport::group_end() {
