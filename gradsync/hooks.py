@@ -40,14 +40,19 @@ class GradSyncState:
     add it to the next step's gradient, so that compression errors cancel over steps instead of
     accumulating in the weights. Residuals are keyed by the bucket's parameters: when DDP rebuilds
     its buckets after the first step, each parameter's residual moves with it into its new bucket.
+
+    A state can be saved with the training checkpoint (``torch.save``, pickle) and registered again
+    after loading, as torch's ``PowerSGDState``. What is saved is its settings: residuals and the
+    record of agreed buckets are keyed by this process's parameter objects, so a loaded state starts
+    error feedback from zeros (as DeepSpeed's 1-bit Adam does on loading) and checks its buckets
+    again. A process group cannot be saved: a state made for the default group (None or
+    ``dist.group.WORLD``) loads with None; one made for another group raises when its hook runs
+    until ``state.process_group`` is set again.
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, codec: str = "fp16",
                  error_feedback: bool = False, prescale: Optional[float] = None,
                  postscale: Optional[float] = None):
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
-                            f"got {type(process_group).__name__}")
         _check_codec(codec)
         self.process_group = process_group
         self.codec = codec
@@ -58,6 +63,28 @@ class GradSyncState:
         self._residuals = {}  # parameter ids of a bucket -> (fp32 residual, [(param id, offset, numel)])
         # per model: the buckets every rank agreed on, keyed by the id of a parameter and dropped with it
         self._checked = {}
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        self._process_group = group
+        self._group_not_loaded = False
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        group = state.pop("_process_group")
+        state["_group_not_loaded"] = self._group_not_loaded or not (group is None or group is dist.group.WORLD)
+        state["_residuals"], state["_checked"] = {}, {}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._process_group = None
 
     def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
@@ -136,6 +163,10 @@ def _resolve_state(state):
     if isinstance(state, HierarchicalState):  # its process group is the one across nodes only
         raise TypeError("a gradsync.hooks.HierarchicalState is the state of hierarchical_hook alone")
     if isinstance(state, GradSyncState):
+        if state._group_not_loaded:
+            raise RuntimeError("this GradSyncState was loaded from a checkpoint, which cannot hold the process group "
+                               "it was made for (not the default group): set state.process_group to that group "
+                               "before training")
         return state.process_group, state
     raise TypeError(f"the hook state must be None, a torch.distributed ProcessGroup or a gradsync.hooks.GradSyncState, "
                     f"got {type(state).__name__}")
@@ -212,7 +243,8 @@ class HierarchicalState(GradSyncState):
     group must hold the same place in a node of the same size. ``codec`` (default fp8 e4m3) and
     ``error_feedback`` apply to the all-reduce across nodes; the residual then has the shard's size,
     1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its buckets
-    after the first step).
+    after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
+    TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
     """
 
     def __init__(self, local_size: Optional[int] = None, codec: str = "fp8_e4m3", error_feedback: bool = False, *,
@@ -227,6 +259,10 @@ class HierarchicalState(GradSyncState):
         self.local_group, self.cross_group = local_group, cross_group
         self._shard_residuals = {}
         self.broken = None  # why a failed step left this state unusable
+
+    def __getstate__(self):
+        raise TypeError("a gradsync.hooks.HierarchicalState holds process groups, which cannot be saved: make a new "
+                        "one after loading a checkpoint (every rank, as making it is collective)")
 
     def shard_residual(self, bucket: dist.GradBucket, numel: int, device: torch.device) -> torch.Tensor:
         params = tuple(id(p) for p in bucket.parameters())

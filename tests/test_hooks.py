@@ -2,6 +2,8 @@
 import contextlib
 import gc
 import hashlib
+import io
+import pickle
 import warnings
 import weakref
 
@@ -119,6 +121,63 @@ def test_codec_none_trains_like_ddp_and_ranks_agree_bitwise(worlds):
     reference = results[0]["ddp"][1]
     for mode in modes[1:]:
         assert relative(results[0][mode][1], reference) < 1e-6, mode
+
+
+def saved_and_loaded(state):
+    buffer = io.BytesIO()
+    torch.save({"hook_state": state}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)["hook_state"]
+
+
+def ef_steps(rank, state, model, steps, first_step=0):
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(state, hooks.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(first_step, first_step + steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return ddp.module
+
+
+def checkpointed_states(rank, size):
+    state = hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True, prescale=0.5, postscale=2 / size)
+    model = ef_steps(rank, state, make_net(), 3)
+    residuals = {key: entry[0].clone() for key, entry in state._residuals.items()}
+    assert residuals and all(r.abs().max() > 0 for r in residuals.values())
+    loaded = saved_and_loaded(state)
+    # saving left the state as it was; what was loaded is its settings alone
+    assert all(torch.equal(state._residuals[key][0], r) for key, r in residuals.items()) and state._checked
+    assert (loaded.process_group, loaded.codec, loaded.error_feedback, loaded.prescale, loaded.postscale) == \
+        (None, "fp8_e4m3", True, 0.5, 2 / size)
+    assert loaded._residuals == {} and loaded._checked == {}
+    # ... and trains on as a new state with those settings does, from zero residuals and checking its buckets
+    resumed = {}
+    for name, again in [("loaded", loaded), ("new", hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True,
+                                                                          prescale=0.5, postscale=2 / size))]:
+        copy = make_net()
+        copy.load_state_dict(model.state_dict())
+        resumed[name] = digest(params_of(ef_steps(rank, again, copy, 2, first_step=3)))
+    assert resumed["loaded"] == resumed["new"]
+
+    # a state of another group loads without it, and says so when its hook runs
+    group = dist.new_group(list(range(size)))
+    sub = saved_and_loaded(hooks.GradSyncState(group, codec="fp16"))
+    with pytest.raises(RuntimeError, match="set state.process_group to that group"):
+        ef_steps(rank, sub, make_net(), 1)
+    sub.process_group = group
+    ef_steps(rank, sub, make_net(), 1)
+    assert saved_and_loaded(hooks.GradSyncState(dist.group.WORLD))._group_not_loaded is False
+    with pytest.raises(TypeError, match="holds process groups, which cannot be saved"):
+        pickle.dumps(hooks.HierarchicalState(local_size=size))
+    return resumed["loaded"]
+
+
+def test_hook_states_save_their_settings_with_a_checkpoint(worlds):
+    results = worlds(2).run(checkpointed_states)
+    assert len(set(results)) == 1
 
 
 def test_compressed_final_loss_is_within_the_codec_budget(worlds):
