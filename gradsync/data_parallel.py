@@ -299,7 +299,8 @@ class DataParallel(torch.nn.Module, Joinable):
       nothing, wherever it runs.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
-      ``model.module.state_dict()`` for unprefixed keys). Its gradient hooks go with it, as
+      ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
+      so a model loaded from a checkpoint restarts them from zeros. Its gradient hooks go with it, as
       DDP's go with its reducer: keep the wrapper while it trains (``net = DataParallel(net).module``
       trains alone); once it is gone, the module trains alone or can be wrapped again. A wrapper
       caught in a reference cycle goes when the cycle collector runs, at its own time on each rank:
