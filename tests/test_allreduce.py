@@ -36,10 +36,11 @@ def digest(t):
     return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def error_ratio(result, inputs, codec, op, dtype_name, size, sums=None):
+def error_ratio(result, inputs, codec, op, dtype_name, size, sums=None, prescale=None):
     """max over elements of |result - fp64 reference| / (documented bound); <= 1 passes.
-    ``sums``: (sum, sum of magnitudes) of the inputs in fp64, when already computed."""
-    prescale, postscale = resolve_scales(op, size)
+    ``sums``: (sum, sum of magnitudes) of the inputs in fp64, when already computed; ``prescale``:
+    the call's, when it gave one."""
+    prescale, postscale = resolve_scales(op, size, prescale)
     if sums is None:
         xs = torch.stack([x.double() for x in inputs])
         sums = xs.sum(0), xs.abs().sum(0)
@@ -127,18 +128,19 @@ def direct_exchange_calls(rank, size):
     """Small buffers: every contribution encoded once, all of them decoded and added in rank order
     in fp32, then scaled and cast: the bits of that sum computed here with gradsync's codecs."""
     same = {}
-    for codec, (dtype_name, dtype), op in itertools.product(gradsync.CODECS, DTYPES.items(), ("avg", "sum")):
+    for codec, (dtype_name, dtype), op, given in itertools.product(gradsync.CODECS, DTYPES.items(), ("avg", "sum"),
+                                                                   (None, 3.0)):
         numel = 5003
         inputs = [rank_input(r, numel, dtype, seed=11) for r in range(size)]
-        prescale, postscale = resolve_scales(op, size)
+        prescale, postscale = resolve_scales(op, size, given)
         total = None
         for x in inputs:
             term = gradsync.decompress(gradsync.compress(x, codec, scale=prescale), codec, numel)
             total = term if total is None else total + term
         expected = (total * postscale).to(dtype)
         x = inputs[rank].clone()
-        gradsync.all_reduce(x, op=op, codec=codec)
-        same[(codec, dtype_name, op)] = torch.equal(x.view(torch.uint8), expected.view(torch.uint8))
+        gradsync.all_reduce(x, op=op, codec=codec, prescale=given)
+        same[(codec, dtype_name, op, given)] = torch.equal(x.view(torch.uint8), expected.view(torch.uint8))
     return same
 
 
@@ -146,6 +148,21 @@ def direct_exchange_calls(rank, size):
 def test_small_buffers_sum_every_rank_s_encoded_contribution_in_rank_order(worlds, size):
     for same in worlds(size).run(direct_exchange_calls):
         assert all(same.values()), [case for case, ok in same.items() if not ok]
+
+
+def prescaled_ring_calls(rank, size):
+    """A given prescale (3, not a power of two) and the postscale derived from it, through the ring."""
+    out = {}
+    for codec, op in itertools.product(gradsync.CODECS, ("avg", "sum")):
+        inputs = [rank_input(r, 2**18 + 5, torch.float32, seed=13) for r in range(size)]
+        x = inputs[rank].clone()
+        assert gradsync.all_reduce(x, op=op, codec=codec, prescale=3.0) is None
+        out[(codec, op)] = (error_ratio(x, inputs, codec, op, "float32", size, prescale=3.0), digest(x))
+    return out
+
+
+def test_a_given_prescale_through_the_ring_matches_fp64(worlds):
+    check_results(worlds(3).run(prescaled_ring_calls))
 
 
 def test_sixteen_million_elements(worlds):
@@ -176,18 +193,24 @@ def subgroup_calls(rank, size):
     for name, group, members in (("first", first, [0, 1, 2]), ("second", second, [1, 3])):
         if rank not in members:
             continue
-        inputs = [rank_input(r, 5000, torch.float32, seed=7) for r in members]
-        x = inputs[members.index(rank)].clone()
-        gradsync.all_reduce(x, op="sum", codec="bf16", group=group)
-        out[name] = (error_ratio(x, inputs, "bf16", "sum", "float32", len(members)), digest(x))
+        # the direct exchange, and the ring (both halves) at a small and a large size
+        for numel, direct in ((5000, None), (5000, 0), (2**20 + 3, None)):
+            inputs = [rank_input(r, numel, torch.float32, seed=7) for r in members]
+            x = inputs[members.index(rank)].clone()
+            with direct_bytes(direct):
+                gradsync.all_reduce(x, op="sum", codec="bf16", group=group)
+            out[(name, numel, direct)] = (error_ratio(x, inputs, "bf16", "sum", "float32", len(members)), digest(x))
     return out
 
 
 def test_subgroups(worlds):
     results = worlds(4).run(subgroup_calls)
     for name, members in (("first", [0, 1, 2]), ("second", [1, 3])):
-        assert len({results[r][name][1] for r in members}) == 1
-        assert all(results[r][name][0] <= 1.0 for r in members)
+        cases = [case for case in results[members[0]] if case[0] == name]
+        assert len(cases) == 3
+        for case in cases:
+            assert len({results[r][case][1] for r in members}) == 1, case
+            assert all(results[r][case][0] <= 1.0 for r in members), case
 
 
 def async_calls(rank, size):
