@@ -229,6 +229,28 @@ def async_calls(rank, size):
     return torch.equal(a, a_sync) and torch.equal(b, b_sync), digest(a) + digest(b)
 
 
+def async_while_a_peer_is_late(rank, size):
+    """The last rank calls 2 s late: the others' async calls return at once and complete only after it."""
+    dist.barrier()
+    x = rank_input(rank, 1 << 18, torch.float32, seed=5)
+    if rank == size - 1:
+        time.sleep(2.0)
+    start = time.monotonic()
+    work = gradsync.all_reduce(x, codec="fp16", async_op=True)
+    returned = time.monotonic() - start
+    pending = not work.is_completed()
+    work.wait()
+    return returned, pending, time.monotonic() - start, digest(x)
+
+
+def test_an_async_call_does_not_block_its_caller(worlds):
+    results = worlds(3).run(async_while_a_peer_is_late)
+    for returned, pending, waited, _ in results[:-1]:
+        assert returned < 0.5 and pending, (returned, pending)
+        assert waited > 1.5, waited
+    assert len({r[3] for r in results}) == 1
+
+
 def test_two_async_all_reduces_in_flight(worlds):
     results = worlds(3).run(async_calls)
     assert all(same for same, _ in results)
@@ -335,8 +357,11 @@ def disagreeing_calls(rank, size):
         prescale = 0.5 if kind == "scale" and rank == 1 else None
         x = torch.randn(numel).to(dtype)
         before = x.clone()
+        start = time.monotonic()
         with pytest.raises(ValueError) as info, direct_bytes(0 if kind == "schedule" and rank == 2 else None):
             gradsync.all_reduce(x, codec=codec, prescale=prescale)
+        # at once, not at the group's timeout (60 s)
+        assert time.monotonic() - start < 10, f"{kind}: raised after {time.monotonic() - start:.1f} s"
         assert torch.equal(x, before), "a failed call wrote into the tensor"
         messages.append(str(info.value))
     y = torch.ones(10)  # the group still works afterwards
