@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .distributed import _check_flag, _issue, _resolve_group
-from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _check_codec, flatten, unflatten
+from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, flatten, unflatten
 
 __all__ = ["DataParallel"]
 
@@ -225,6 +225,19 @@ def _remove_hooks(handles):
         handle.remove()
 
 
+def _apart(tensors):
+    """(the tensors that share memory with no other one, those that do): buffers may be views of
+    one tensor (a model's rotary tables), which one unflatten must not write twice."""
+    shared, reach, widest = set(), -1, None
+    for start, end, i in sorted((*_byte_span(t), i) for i, t in enumerate(tensors)):
+        if start < reach:
+            shared.update((i, widest))
+        if end > reach:
+            reach, widest = end, i
+    return ([t for i, t in enumerate(tensors) if i not in shared],
+            [t for i, t in enumerate(tensors) if i in shared])
+
+
 class DataParallel(torch.nn.Module, Joinable):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
@@ -404,12 +417,18 @@ class DataParallel(torch.nn.Module, Joinable):
         for dtype, group in by_dtype.items():
             data = [t.detach() for t in group]
             if dtype in (torch.float32, torch.float16, torch.bfloat16):
-                flat = flatten(data)
-                dist.broadcast(flat, src=src, group=self.process_group)
-                unflatten(flat, data)
+                data, aliased = _apart(data)
+                if data:
+                    flat = flatten(data)
+                    dist.broadcast(flat, src=src, group=self.process_group)
+                    unflatten(flat, data)
             else:
-                for t in data:
-                    dist.broadcast(t, src=src, group=self.process_group)
+                aliased = data
+            for t in aliased:  # each takes the root's values, whatever the others wrote
+                dense = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(dense, src=src, group=self.process_group)
+                if dense is not t:
+                    t.copy_(dense)
 
     @property
     def buckets(self):

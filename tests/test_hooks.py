@@ -180,6 +180,36 @@ def test_hook_states_save_their_settings_with_a_checkpoint(worlds):
     assert len(set(results)) == 1
 
 
+class SharedBuffers(torch.nn.Module):
+    """Buffers that are views of one tensor, as a model's rotary tables often are."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        table = torch.randn(16, 4, 2, generator=torch.Generator().manual_seed(rank))
+        self.register_buffer("cos", table[..., 0])
+        self.register_buffer("sin", table[..., 1])
+        stats = torch.full((2, 4), float(rank))
+        self.register_buffer("stats", stats)
+        self.register_buffer("mean", stats[0])
+
+    def forward(self, x):
+        return self.lin(x * self.cos[0] + self.sin[1] + self.mean)
+
+
+def shared_buffers(rank, size):
+    model = gradsync.DataParallel(SharedBuffers(rank))
+    F.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 4)).backward()
+    inner = model.module
+    assert inner.mean.data_ptr() == inner.stats.data_ptr()  # still views of one tensor
+    return [digest(b) for b in inner.buffers()]
+
+
+def test_data_parallel_broadcasts_buffers_that_share_memory(worlds):
+    results = worlds(2).run(shared_buffers)
+    assert results[0] == results[1]
+
+
 def test_compressed_final_loss_is_within_the_codec_budget(worlds):
     modes = ["ddp", "hook:fp16", "hook:bf16", "hook:fp8+ef", "hook:fp8_e5m2+ef", "dp:fp16", "dp:fp8_e4m3+ef"]
     results = worlds(2).run(train_modes, modes, 150)
