@@ -98,25 +98,110 @@ def _byte_span(t):
     return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
+_EXACT_CHECK_LIMIT = 1 << 24
+"""Words (of the largest size that divides every element's address and length) beyond which strided
+tensors whose address ranges meet are refused instead of compared element by element."""
+
+
+def _dense(t):
+    """Whether ``t``'s elements tile its byte span once (contiguous up to an order of its dims): then
+    two such tensors share memory exactly when their spans meet."""
+    expected = 1
+    for size, stride in sorted((p for p in zip(t.shape, t.stride()) if p[0] != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _words(t, unit):
+    """The addresses / ``unit`` of every ``unit``-byte word ``t``'s elements occupy."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (stride * t.element_size() // unit)
+    first = offsets.reshape(-1) + t.data_ptr() // unit
+    return torch.cat([first + k for k in range(t.element_size() // unit)])
+
+
+def _sharing_pair(spans):
+    """The indices (i, j) of two tensors that share a byte, or None. ``spans``: (start, end, index,
+    tensor) of non-empty tensors on one device. Address ranges that meet are exact for dense tensors;
+    strided ones (columns of one matrix) are compared word by word."""
+    spans = sorted(spans, key=lambda s: s[:3])
+    cluster, reach = [], -1
+    for span in spans + [(math.inf, math.inf, -1, None)]:
+        if span[0] >= reach and len(cluster) > 1:
+            pair = _sharing_pair_in(cluster)
+            if pair:
+                return pair
+        if span[0] >= reach:
+            cluster = []
+        cluster.append(span)
+        reach = max(reach, span[1])
+    return None
+
+
+def _sharing_pair_in(cluster):
+    """As _sharing_pair, for spans sorted by start whose ranges chain into one."""
+    if all(_dense(t) for *_, t in cluster):
+        widest = cluster[0]
+        for span in cluster[1:]:
+            if span[0] < widest[1]:
+                return tuple(sorted((widest[2], span[2])))
+            widest = max(widest, span, key=lambda s: s[1])
+    unit = 0
+    for *_, t in cluster:
+        unit = math.gcd(unit, t.element_size(), t.data_ptr(), *(st * t.element_size() for st in t.stride()))
+    total = sum(t.numel() * t.element_size() // unit for *_, t in cluster)
+    if total > _EXACT_CHECK_LIMIT:
+        i, j = sorted(span[2] for span in cluster[:2])
+        raise _TooLargeToCheck(i, j, total)
+    words = torch.cat([_words(t, unit) for *_, t in cluster])
+    owners = torch.cat([torch.full((t.numel() * t.element_size() // unit,), k) for k, (*_, t) in enumerate(cluster)])
+    words, order = torch.sort(words, stable=True)
+    owners = owners[order]
+    shared = ((words[1:] == words[:-1]) & (owners[1:] != owners[:-1])).nonzero()
+    if not len(shared):
+        return None
+    k = int(shared[0])
+    return tuple(sorted((cluster[int(owners[k])][2], cluster[int(owners[k + 1])][2])))
+
+
+class _TooLargeToCheck(Exception):
+    def __init__(self, i, j, words):
+        super().__init__(i, j, words)
+        self.pair, self.words = (i, j), words
+
+
 def _check_segments(tensors, name, buf, buf_name, one=False):
     """Raises unless each of ``tensors`` (copied to or from consecutive segments of ``buf``) shares no
     memory with ``buf``, or is exactly its own segment of ``buf`` in ``buf``'s dtype (then each element
-    is read and written in place, which is safe). Returns the tensors' byte spans (empty ones left out)
-    as (start, end, index). ``one``: ``tensors`` is the single tensor called ``name``."""
+    is read and written in place, which is safe). Returns the tensors' spans for _sharing_pair (empty
+    ones left out). ``one``: ``tensors`` is the single tensor called ``name``."""
     spans, offset = [], 0
     lo, hi = _byte_span(buf) if buf.numel() else (0, 0)
     for i, t in enumerate(tensors):
         numel = t.numel()
         if numel:
             start, end = _byte_span(t)
-            spans.append((start, end, i))
-            if start < hi and lo < end and t.device == buf.device and not (
-                    t.dtype == buf.dtype and start == lo + offset * buf.element_size() and t.is_contiguous()):
-                raise ValueError(f"{name if one else f'{name}[{i}]'} shares memory with {buf_name} other than as its own segment "
+            spans.append((start, end, i, t))
+            if (start < hi and lo < end and t.device == buf.device
+                    and not (t.dtype == buf.dtype and start == lo + offset * buf.element_size() and t.is_contiguous())
+                    and _shares(spans[-1], (lo, hi, -1, buf), label := name if one else f"{name}[{i}]", buf_name)):
+                raise ValueError(f"{label} shares memory with {buf_name} other than as its own segment "
                                  f"({buf_name}[{offset}:{offset + numel}]) of the same dtype: the result would depend "
                                  "on the order of the kernel's reads and writes; clone() it first")
         offset += numel
     return spans
+
+
+def _shares(a, b, a_name, b_name):
+    try:
+        return _sharing_pair([a, b]) is not None
+    except _TooLargeToCheck as e:
+        raise ValueError(f"{a_name} and {b_name} are strided tensors whose address ranges meet, too large "
+                         f"({e.words} words) to check element by element for shared memory: clone() one of "
+                         "them first") from None
 
 
 def _check_writable(t, name):
@@ -213,12 +298,20 @@ def _check_destinations(read, tensors):
     """No two tensors written share memory, nor does one share memory with the part of ``flat`` read,
     except as its own segment."""
     spans = _check_segments(tensors, "tensors", read, "flat")
-    spans.sort()
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
-        if start < end:
-            i, j = min(i, j), max(i, j)
-            raise ValueError(f"tensors[{i}] and tensors[{j}] share memory: both would be written; pass each "
-                             "destination once")
+    by_device = {}
+    for span in spans:
+        by_device.setdefault(span[3].device, []).append(span)
+    for group in by_device.values():
+        try:
+            pair = _sharing_pair(group)
+        except _TooLargeToCheck as e:
+            i, j = e.pair
+            raise ValueError(f"tensors[{i}] and tensors[{j}] are strided tensors whose address ranges meet, too "
+                             f"large ({e.words} words) to check element by element for shared memory: pass them "
+                             "in separate calls") from None
+        if pair:
+            raise ValueError(f"tensors[{pair[0]}] and tensors[{pair[1]}] share memory: both would be written; pass "
+                             "each destination once")
 
 
 def _payload_dtype(codec, x_dtype):

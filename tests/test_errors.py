@@ -94,6 +94,7 @@ def _overlapping_calls():
     a = torch.arange(10.0)
     h = torch.arange(10.0).half()
     u8 = torch.zeros(64, dtype=torch.uint8)
+    m = torch.zeros(5, 2)
     return [
         (lambda: gradsync.flatten([a[:4], a[4:8]], out=a[2:10]), "tensors[0] shares memory with out"),
         (lambda: gradsync.flatten([a[4:8], a[:4]], out=a[:8]), "tensors[0] shares memory with out"),
@@ -109,6 +110,14 @@ def _overlapping_calls():
         (lambda: gradsync.decompress(u8[:20], "fp8_e4m3", 10, out=u8[4:44].view(torch.float32)),
          "payload shares memory with out"),
         (lambda: gradsync.decompress(h[:4], "fp16", 4, out=h[:8].view(torch.float32)), "payload shares memory with out"),
+        # strided tensors whose address ranges meet are compared element by element
+        (lambda: gradsync.unflatten(torch.randn(10), [m[:, 0], m[:, 1]]), None),
+        (lambda: gradsync.unflatten(torch.randn(10), [m[:, 1], m.t()[1]]), "tensors[0] and tensors[1] share memory"),
+        (lambda: gradsync.unflatten(torch.randn(13), [m[:, :1], m[1:, 1], m[1:, 0]]), "tensors[0] and tensors[2] share"),
+        (lambda: gradsync.unflatten(torch.randn(8), [m[:2, 0], m[2:, :].t()]), None),
+        (lambda: gradsync.flatten([a[1::4][:2]], out=a[2:4]), None),
+        (lambda: gradsync.flatten([a[1::4][:2]], out=a[4:6]), "tensors[0] shares memory with out"),
+        (lambda: gradsync.compress(m.t()[0], "none", out=m.t()[1].contiguous()), None),
     ]
 
 
@@ -121,6 +130,19 @@ def test_partial_overlap_raises_like_torch_cat(case):
     with pytest.raises(ValueError) as info:
         call()
     assert words in str(info.value)
+
+
+def test_strided_destinations_that_interleave_are_written_in_one_call(monkeypatch):
+    torch.manual_seed(0)
+    flat, m = torch.randn(12), torch.zeros(4, 3)
+    gradsync.unflatten(flat, [m[:, 0], m[:, 2], m[:, 1]], scale=2.0)
+    assert torch.equal(m, torch.stack([flat[:4], flat[8:], flat[4:8]], dim=1) * 2)
+    assert torch.equal(gradsync.flatten([m[:, 0], m[:, 2], m[:, 1]], scale=0.5), flat)
+    monkeypatch.setattr(gradsync.ops, "_EXACT_CHECK_LIMIT", 7)  # the 8 elements would be compared one by one
+    with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] are strided tensors whose address ranges "
+                                         "meet, too large \\(8 words\\).*separate calls"):
+        gradsync.unflatten(flat, [m[:, 0], m[:, 2]])
+    gradsync.unflatten(flat, [m[:, 0], m[:, 2].clone()])
 
 
 def test_exact_in_place_segments_stay_allowed():
