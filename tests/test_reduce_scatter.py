@@ -1,4 +1,6 @@
 """gradsync.reduce_scatter on gloo ranks against fp64, and as FSDP2's gradient reduce-scatter."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ def scatter_cases(rank, size, cases):
         assert torch.equal(x[mine].view(torch.uint8), result.view(torch.uint8)), "in place differs"
         x[mine] = inputs[rank][mine]
         assert torch.equal(x.view(torch.uint8), inputs[rank].view(torch.uint8)), "in place wrote outside its chunk"
-        ratio = error_ratio(result, [i[mine] for i in inputs], codec, op, dtype_name, size)
+        ratio = error_ratio(result, [i[mine] for i in inputs], codec, op, dtype_name, size, encodes=size - 1)
         out[(chunk, codec, dtype_name, op)] = (ratio, digest(result))
     return out
 
@@ -113,15 +115,24 @@ def test_reduce_scatter_in_flight_with_others_and_on_a_subgroup(worlds):
 def disagreeing(rank, size):
     out, x = torch.empty(4), torch.randn(4 * size)
     messages = []
-    for call in ("numel", "operation"):
+    for call in ("numel", "operation", "dtype", "codec"):
+        mine_out, mine_x, codec = out, x, "fp16"
+        if call == "numel" and rank == 1:
+            mine_out, mine_x = torch.empty(5), torch.randn(5 * size)
+        elif call == "dtype" and rank == size - 1:
+            mine_out, mine_x = out.bfloat16(), x.bfloat16()
+        elif call == "codec" and rank == 0:
+            codec = "fp8_e4m3"
+        mine_out.fill_(7.0)
+        start = time.monotonic()
         try:
-            if call == "numel" and rank == 1:
-                gradsync.reduce_scatter(torch.empty(5), torch.randn(5 * size))
-            elif call == "operation" and rank == 1:
+            if call == "operation" and rank == 1:
                 gradsync.all_reduce(torch.randn(4 * size))
             else:
-                gradsync.reduce_scatter(out, x)
+                gradsync.reduce_scatter(mine_out, mine_x, codec=codec)
         except ValueError as e:
+            assert time.monotonic() - start < 10, f"{call}: raised after {time.monotonic() - start:.1f} s"
+            assert torch.all(mine_out == 7.0), f"{call}: a failed call wrote into the output"
             messages.append(str(e))
             own = "all_reduce" if call == "operation" and rank == 1 else "reduce_scatter"
             assert str(e).startswith(f"gradsync.{own}: the ranks disagree"), str(e)
@@ -131,9 +142,12 @@ def disagreeing(rank, size):
 
 def test_ranks_that_disagree_raise_everywhere(worlds):
     for messages in worlds(3).run(disagreeing):
-        assert len(messages) == 2
-        assert "numel 12" in messages[0] and "numel 15" in messages[0]
-        assert "operation all_reduce" in messages[1] and "operation reduce_scatter" in messages[1]
+        assert len(messages) == 4, messages
+        numel, operation, dtype, codec = messages
+        assert "numel 12" in numel and "numel 15" in numel
+        assert "operation all_reduce" in operation and "operation reduce_scatter" in operation
+        assert "dtype bfloat16" in dtype and "dtype float32" in dtype
+        assert "codec fp8_e4m3" in codec and "codec fp16" in codec
 
 
 def bad_calls(rank, size):
