@@ -3,6 +3,7 @@
 // kernels against misuse of the private module.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
@@ -201,6 +202,64 @@ void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec,
   });
 }
 
+// The fast path of gradsync/ops.py's per-tensor checks, for long lists of parameters: the number of
+// elements of `tensors` when every check would pass, -1 when ops.py must run its own checks (which
+// name the problem, and decide shared memory element by element). `buf`: the contiguous buffer the
+// tensors are copied to or from (its first `numel` elements), which a tensor may share memory with
+// only as its own segment; `written`: the tensors are written, so they must not require grad under
+// grad mode, be expanded, or share memory with each other.
+int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<at::Tensor>& buf, bool written) {
+  if (buf && (!buf->defined() || !buf->is_contiguous() || buf->layout() != at::kStrided)) return -1;
+  if (tensors.empty()) return 0;
+  const at::Device device = buf ? buf->device() : tensors[0].device();
+  const bool grad_mode = at::GradMode::is_enabled();
+  struct Span {
+    uintptr_t start, end;
+    bool own;  // exactly its own segment of `buf`, in its dtype
+  };
+  std::vector<Span> spans;
+  spans.reserve(tensors.size());
+  const uintptr_t lo = buf ? reinterpret_cast<uintptr_t>(buf->data_ptr()) : 0;
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) return -1;
+    const at::ScalarType type = t.scalar_type();
+    if (t.layout() != at::kStrided || !(t.is_cpu() || t.is_cuda()) || t.device() != device ||
+        (type != at::kFloat && type != at::kHalf && type != at::kBFloat16) ||
+        (written && grad_mode && t.requires_grad())) {
+      return -1;
+    }
+    const int64_t n = t.numel();
+    if (n > 0) {
+      const bool contiguous = t.is_contiguous();
+      int64_t last = n - 1;  // offset of the last element, in elements
+      if (!contiguous) {
+        last = 0;
+        for (int64_t d = 0; d < t.dim(); ++d) {
+          if (written && t.stride(d) == 0 && t.size(d) > 1) return -1;
+          last += (t.size(d) - 1) * t.stride(d);
+        }
+      }
+      const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+      const bool own = buf && contiguous && type == buf->scalar_type() &&
+                       start == lo + static_cast<uintptr_t>(offset * buf->element_size());
+      spans.push_back({start, start + static_cast<uintptr_t>((last + 1) * t.element_size()), own});
+    }
+    offset += n;
+  }
+  const uintptr_t hi = buf ? lo + static_cast<uintptr_t>(std::min(offset, buf->numel()) * buf->element_size()) : 0;
+  for (const Span& s : spans) {
+    if (s.start < hi && lo < s.end && !s.own) return -1;
+  }
+  if (written) {
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.start < b.start; });
+    for (size_t i = 1; i < spans.size(); ++i) {
+      if (spans[i].start < spans[i - 1].end) return -1;  // sorted and disjoint so far: the previous reaches furthest
+    }
+  }
+  return offset;
+}
+
 void set_isa(const std::string& name) {
   TORCH_CHECK(set_cpu_isa(name.c_str()), "gradsync: CPU instruction set '", name,
               "' is unknown or not supported by this CPU (choose auto, avx2 or scalar)");
@@ -251,6 +310,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unflatten_from", &unflatten_from, "Scale, cast and copy a flat buffer into tensors", nogil);
   m.def("fp8_encode", &fp8_encode, "Block-scaled fp8 encode", nogil);
   m.def("fp8_decode", &fp8_decode, "Block-scaled fp8 decode", nogil);
+  m.def("plain_numel", &plain_numel, "Whether ops.py's per-tensor checks would pass: the elements, or -1",
+        py::arg("tensors"), py::arg("buf"), py::arg("written"));
   m.def("set_cpu_isa", &set_isa, "Select the CPU kernels' instruction set: auto, avx2 or scalar");
   m.def("cpu_isa", []() { return std::string(cpu_isa()); });
   m.def("cpu_kernel_threads", &cpu_kernel_threads);

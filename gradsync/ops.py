@@ -67,15 +67,29 @@ def _check_codec(codec):
 
 
 def _check_tensor_list(tensors, name):
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"{name} must be a list or tuple of torch.Tensor, got {type(tensors).__name__}")
-    tensors = list(tensors)
+    tensors = _as_list(tensors, name)
     for i, t in enumerate(tensors):
         _check_float_tensor(t, f"{name}[{i}]")
         if t.device != tensors[0].device:
             raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {tensors[0].device}; "
                              "all tensors must be on one device")
     return tensors
+
+
+def _as_list(tensors, name):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of torch.Tensor, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+def _plain_numel(tensors, buf, written):
+    """The elements of ``tensors`` when every per-tensor check (and the shared-memory rule against
+    ``buf`` and, when ``written``, between the tensors) would pass, else -1: then the Python checks
+    run, to name the problem. Long lists of small parameters spend most of a call in those checks."""
+    try:
+        return _C.plain_numel(tensors, buf, written)
+    except TypeError:  # an element that is not a tensor
+        return -1
 
 
 def _check_out(out, numel, dtype, device, name="out"):
@@ -241,19 +255,25 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     Inputs may mix float32/float16/bfloat16, have any shape, be empty or non-contiguous; all must be
     on one device. ``dtype`` defaults to the inputs' promoted dtype (or ``out.dtype``).
     """
-    tensors = _check_tensor_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors")
     scale = _check_scale(scale)
-    if dtype is None and out is not None:
+    if out is not None:
         _check_tensor(out, "out")
-        dtype = out.dtype
+    numel = _plain_numel(tensors, out, written=False)
+    plain = numel >= 0
+    if not plain:
+        _check_tensor_list(tensors, "tensors")
+        numel = sum(t.numel() for t in tensors)
     if dtype is None:
-        if not tensors:
+        if out is not None:
+            dtype = out.dtype
+        elif not tensors:
             raise ValueError("tensors is empty: pass dtype= or out= to say what to return")
-        dtype = tensors[0].dtype
-        for t in tensors[1:]:
-            dtype = torch.promote_types(dtype, t.dtype)
+        else:
+            dtype = tensors[0].dtype
+            for t in tensors[1:]:
+                dtype = torch.promote_types(dtype, t.dtype)
     _check_float_dtype(dtype, "dtype")
-    numel = sum(t.numel() for t in tensors)
     if out is None:
         if not tensors:
             raise ValueError("tensors is empty: pass out= to say which device to use")
@@ -261,7 +281,8 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     else:
         _check_out(out, numel, dtype, tensors[0].device if tensors else out.device)
         _check_writable(out, "out")
-        _check_segments(tensors, "tensors", out, "out")
+        if not plain:
+            _check_segments(tensors, "tensors", out, "out")
     _C.flatten_into(tensors, out, scale)
     _mark_written(out)
     return out
@@ -276,20 +297,25 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     with each other) raise ValueError. Writes bump the tensors' autograd versions.
     """
     _check_float_tensor(flat, "flat")
-    tensors = _check_tensor_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors")
     scale = _check_scale(scale)
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(f"flat must be a contiguous 1-D tensor, got shape {tuple(flat.shape)}")
-    numel = sum(t.numel() for t in tensors)
+    numel = _plain_numel(tensors, flat, written=True)
+    plain = numel >= 0
+    if not plain:
+        _check_tensor_list(tensors, "tensors")
+        numel = sum(t.numel() for t in tensors)
     if flat.numel() < numel:
         raise ValueError(f"flat has {flat.numel()} elements but the tensors need {numel}")
-    for i, t in enumerate(tensors):
-        if t.device != flat.device:
-            raise ValueError(f"tensors[{i}] is on {t.device} but flat is on {flat.device}")
-        if not t.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
-            raise ValueError(f"tensors[{i}] is an expanded view (a stride of 0); it cannot be written element-wise")
-        _check_writable(t, f"tensors[{i}]")
-    _check_destinations(flat[:numel], tensors)
+    if not plain:
+        for i, t in enumerate(tensors):
+            if t.device != flat.device:
+                raise ValueError(f"tensors[{i}] is on {t.device} but flat is on {flat.device}")
+            if not t.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+                raise ValueError(f"tensors[{i}] is an expanded view (a stride of 0); it cannot be written element-wise")
+            _check_writable(t, f"tensors[{i}]")
+        _check_destinations(flat[:numel], tensors)
     _C.unflatten_from(flat, tensors, scale)
     _mark_written(tensors)
 

@@ -1,4 +1,6 @@
 """Every bad input raises a TypeError/ValueError that names the offending argument."""
+import random
+
 import pytest
 import torch
 
@@ -143,6 +145,53 @@ def test_strided_destinations_that_interleave_are_written_in_one_call(monkeypatc
                                          "meet, too large \\(8 words\\).*separate calls"):
         gradsync.unflatten(flat, [m[:, 0], m[:, 2]])
     gradsync.unflatten(flat, [m[:, 0], m[:, 2].clone()])
+
+
+def _random_view(g, storage):
+    """One of the tensors a user might pass: a view of ``storage`` (slices, strides, transposes,
+    columns, another dtype, an expanded element) or memory of its own (one requiring grad)."""
+    a, r, c = g.randrange(24), g.randrange(1, 4), g.randrange(1, 4)
+    return g.choice([
+        lambda: storage[a:a + g.randrange(9)],
+        lambda: storage[a:a + 12:g.randrange(1, 4)],
+        lambda: storage[a:a + r * c].view(r, c).t(),
+        lambda: storage[a:a + r * c].view(r, c)[:, g.randrange(c)],
+        lambda: storage.view(torch.bfloat16)[2 * a:2 * a + g.randrange(1, 9)],
+        lambda: storage[a:a + 1].expand(g.randrange(1, 3)),
+        lambda: torch.randn(g.randrange(4), generator=torch.Generator().manual_seed(a)),
+        lambda: torch.randn(3, generator=torch.Generator().manual_seed(a)).requires_grad_(),
+    ])()
+
+
+def _call(seed):
+    """(the error, or None, and every tensor's bits afterwards) of a random flatten/unflatten."""
+    g = random.Random(seed)
+    storage = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    tensors = [_random_view(g, storage) for _ in range(g.randrange(1, 5))]
+    numel = sum(t.numel() for t in tensors)
+    a = g.randrange(64 - numel) if numel < 64 else 0
+    buf = storage[a:a + numel] if g.random() < 0.5 and numel < 64 else torch.arange(numel, dtype=torch.float32)
+    try:
+        if g.random() < 0.5:
+            gradsync.flatten(tensors, out=buf, scale=0.5)
+        else:
+            gradsync.unflatten(buf, tensors, scale=2.0)
+        error = None
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    return error, [torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).view(torch.uint8) for t in [storage, buf, *tensors]]
+
+
+def test_the_fast_checks_of_long_lists_agree_with_the_python_checks(monkeypatch):
+    fast = [_call(seed) for seed in range(1500)]
+    monkeypatch.setattr(gradsync.ops, "_plain_numel", lambda tensors, buf, written: -1)
+    outcomes = {"raised": 0, "ran": 0}
+    for seed, (error, bits) in enumerate(fast):
+        slow_error, slow_bits = _call(seed)
+        assert error == slow_error, (seed, error, slow_error)
+        assert all(torch.equal(x, y) for x, y in zip(bits, slow_bits)), seed
+        outcomes["raised" if error else "ran"] += 1
+    assert min(outcomes.values()) > 300, outcomes  # both kinds of outcome, many times
 
 
 def test_exact_in_place_segments_stay_allowed():
