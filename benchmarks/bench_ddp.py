@@ -1,17 +1,19 @@
 """Training-step benchmark: DDP's default all-reduce, torch's fp16 hook, gradsync's hooks and
 gradsync.DataParallel on a model of GPT-2 small's parameter count.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--params 124e6] [--json out.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--params 124e6] [--layers 12] [--json out.json]
 
 The model is a deep MLP (GPT-2 small's 124M parameters in 12 square layers) so that a CPU step is
 dominated by gradient traffic as in real data parallelism, not by attention kernels. Rows are
 measured interleaved, step by step, in one run. Two extra rows show the overlap: "compute only"
 (backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
 the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
-communication ran while backward computed.
+communication ran while backward computed. With many small layers (``--params 2e6 --layers 500``:
+1,000 parameter tensors) the step measures each wrapper's cost per parameter instead.
 """
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -92,6 +94,8 @@ WIRE = {"DDP default (fp32)": 4, "torch fp16 hook": 2, "gradsync fp16 hook": 2, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=124e6)
+    parser.add_argument("--layers", type=int, default=12,
+                        help="linear layers (two parameter tensors each); many small ones measure per-tensor overhead")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
@@ -101,8 +105,9 @@ def main():
     torch.set_num_threads(1)
     n, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu")
-    width = deep_mlp(args.params, device="meta")[1]
-    numel = sum(p.numel() for p in deep_mlp(args.params, device="meta")[0].parameters())
+    mlp = functools.partial(deep_mlp, args.params, args.layers)
+    width = mlp(device="meta")[1]
+    numel = sum(p.numel() for p in mlp(device="meta")[0].parameters())
     x = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(rank))
 
     def step(model, sync=True):
@@ -130,7 +135,7 @@ def main():
     passes = 2
     for _ in range(passes):
         for mode in WIRE:
-            model = wrapped(deep_mlp(args.params, device=device)[0], mode)
+            model = wrapped(mlp(device=device)[0], mode)
             step(model)  # warm-up
             samples[mode] += [timed(lambda: step(model)) for _ in range(max(1, args.steps // passes))]
             if mode == "gradsync fp16 hook":
@@ -147,7 +152,8 @@ def main():
         rows.append({"mode": mode, "step_ms": ms, "wire_bytes": wire, "speedup": medians["DDP default (fp32)"] / ms,
                      "vs_torch_fp16": medians["torch fp16 hook"] / ms})
     if rank == 0:
-        title = (f"training step, {numel / 1e6:.0f}M-parameter MLP ({args.batch} rows/rank), {n} ranks, gloo on "
+        title = (f"training step, {numel / 1e6:.3g}M-parameter MLP of {args.layers} layers ({args.batch} rows/rank), "
+                 f"{n} ranks, gloo on "
                  f"{common.machine_description(device)}; gradsync {gradsync.__version__}")
         common.print_table(title, rows, COLUMNS)
         compute, comm = medians["compute only (no_sync)"], medians["communication only (gradsync fp16)"]

@@ -77,10 +77,11 @@ class _Bucket:
         grad = self.params[j].grad
         return grad is not None and grad.data_ptr() == self.view_at[j] and grad.stride() == self.view(j).stride()
 
-    @torch.no_grad()  # a backward with create_graph=True must not attach the buffer to its graph
     def adopt(self, j):
         """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
-        if not self.holds(j):
+        if self.holds(j):  # every step but the first, or one after zero_grad(set_to_none=True)
+            return
+        with torch.no_grad():  # a backward with create_graph=True must not attach the buffer to its graph
             grad, view = self.params[j].grad, self.view(j)
             if grad is None:
                 view.zero_()
@@ -404,8 +405,8 @@ class DataParallel(torch.nn.Module, Joinable):
     def _add_bucket(self, params, error_feedback):
         bucket = _Bucket(params, self._device, error_feedback, self.gradient_as_bucket_view)
         for j, p in enumerate(params):
-            self._bucket_of[p] = bucket
-            self._index_of[p] = j
+            self._bucket_of[id(p)] = bucket  # ids: a tensor's own __hash__ runs in Python
+            self._index_of[id(p)] = j
         self._buckets.append(bucket)
 
     def _broadcast(self, tensors, src=None):
@@ -471,7 +472,7 @@ class DataParallel(torch.nn.Module, Joinable):
         params, self._buffers_seen = _members(self.module) if self._walk_members else \
             (list(self.module.parameters()), list(self.module.buffers()))
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
-                all(p in self._bucket_of for p in params if p.requires_grad):
+                all(id(p) in self._trainable_ids for p in params if p.requires_grad):
             if all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
                 return
             raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
@@ -585,9 +586,9 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
                                "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
                                "sparse=False))")
-        bucket = self._bucket_of[param]
+        bucket = self._bucket_of[id(param)]
         if bucket.views is not None and bucket.work is None:
-            bucket.adopt(self._index_of[param])
+            bucket.adopt(self._index_of[id(param)])
         if not self._forward_synced:
             self._used.add(id(param))
             return

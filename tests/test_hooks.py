@@ -424,7 +424,7 @@ def unused_like_ddp(rank, size, modes):
             model = gradsync.DataParallel(net, codec=codec, bucket_cap_mb=UNUSED_BUCKET_MB, error_feedback=bool(ef),
                                           find_unused_parameters="find" in how, gradient_as_bucket_view="view" in how)
             # unused parameters in several buckets, so that their flags are read at several offsets
-            buckets = {id(model._bucket_of[p]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
+            buckets = {id(model._bucket_of[id(p)]) for p in (net.never.weight, net.extra.weight, net.many[3], net.many[147])}
             assert len(buckets) >= 2
         out[mode] = []
         for step, (users, sync_free_users, to_none) in enumerate(UNUSED_STEPS[:-1] if mode == "ddp" else UNUSED_STEPS):
@@ -445,7 +445,7 @@ def unused_like_ddp(rank, size, modes):
 
 
 def extra_residual(model, net):
-    bucket = model._bucket_of[net.extra.weight]
+    bucket = model._bucket_of[id(net.extra.weight)]
     j = next(j for j, p in enumerate(bucket.params) if p is net.extra.weight)
     return bucket.segment(j, bucket.residual).clone()
 
@@ -569,7 +569,7 @@ def views_like_copies(rank, size):
                     F.mse_loss(model(x[:8]), y[:8]).backward()
             net.body.bias.requires_grad_(step != 2)  # frozen after wrapping: its gradient is not written
             F.mse_loss(model(x), y).backward()
-            buffers = {model._bucket_of[p].buffer.untyped_storage().data_ptr() for p in net.parameters()}
+            buffers = {model._bucket_of[id(p)].buffer.untyped_storage().data_ptr() for p in net.parameters()}
             steps.append(([p.grad.clone() for p in net.parameters()],
                           [p.grad.untyped_storage().data_ptr() in buffers for p in net.parameters()]))
         out[views] = steps
