@@ -63,6 +63,8 @@ bool describe(const at::Tensor& t, Segment& s) {
 void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the kernels can read
   TORCH_CHECK((t.is_cpu() || t.is_cuda()) && t.layout() == at::kStrided,
               "gradsync: the kernels take dense CPU or CUDA tensors, got a ", t.layout(), " tensor on ", t.device());
+  TORCH_CHECK(t.numel() == 0 || (t.has_storage() && t.data_ptr() != nullptr),
+              "gradsync: the kernels take tensors with memory of their own");
 }
 
 void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
@@ -222,7 +224,7 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
   const uintptr_t lo = buf ? reinterpret_cast<uintptr_t>(buf->data_ptr()) : 0;
   int64_t offset = 0;
   for (const at::Tensor& t : tensors) {
-    if (!t.defined()) return -1;
+    if (!t.defined() || !t.has_storage() || t.is_nested() || t.is_neg()) return -1;
     const at::ScalarType type = t.scalar_type();
     if (t.layout() != at::kStrided || !(t.is_cpu() || t.is_cuda()) || t.device() != device ||
         (type != at::kFloat && type != at::kHalf && type != at::kBFloat16) ||
@@ -235,11 +237,21 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
       int64_t last = n - 1;  // offset of the last element, in elements
       if (!contiguous) {
         last = 0;
+        std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
         for (int64_t d = 0; d < t.dim(); ++d) {
-          if (written && t.stride(d) == 0 && t.size(d) > 1) return -1;
           last += (t.size(d) - 1) * t.stride(d);
+          if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+        }
+        if (written) {  // each stride beyond the reach of the smaller ones: no element written twice
+          std::sort(dims.begin(), dims.end());
+          int64_t reach = 0;
+          for (const auto& [stride, size] : dims) {
+            if (stride <= reach) return -1;
+            reach += (size - 1) * stride;
+          }
         }
       }
+      if (t.data_ptr() == nullptr) return -1;
       const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
       const bool own = buf && contiguous && type == buf->scalar_type() &&
                        start == lo + static_cast<uintptr_t>(offset * buf->element_size());

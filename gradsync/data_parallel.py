@@ -79,7 +79,7 @@ class _Bucket:
 
     def adopt(self, j):
         """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
-        if self.holds(j):  # every step but the first, or one after zero_grad(set_to_none=True)
+        if self.holds(j):  # every step but the first and those after zero_grad(set_to_none=True)
             return
         with torch.no_grad():  # a backward with create_graph=True must not attach the buffer to its graph
             grad, view = self.params[j].grad, self.view(j)

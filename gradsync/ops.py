@@ -28,8 +28,23 @@ def _check_tensor(value, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {value.device}; gradsync's kernels take CPU or CUDA tensors")
+    if value.is_nested:
+        raise ValueError(f"{name} is a nested tensor; gradsync's kernels take dense (strided) tensors")
     if value.layout != torch.strided:
         raise ValueError(f"{name} has layout {value.layout}; gradsync's kernels take dense (strided) tensors")
+    if value.numel() and not _data_ptr(value):
+        raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
+                         "pass plain tensors")
+    if value.is_neg():
+        raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign the kernels would not apply; "
+                         f"pass {name}.resolve_neg()")
+
+
+def _data_ptr(t):
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor without storage
+        return 0
 
 
 def _check_numel(numel):
@@ -88,7 +103,7 @@ def _plain_numel(tensors, buf, written):
     run, to name the problem. Long lists of small parameters spend most of a call in those checks."""
     try:
         return _C.plain_numel(tensors, buf, written)
-    except TypeError:  # an element that is not a tensor
+    except (TypeError, RuntimeError):  # an element that is not a tensor, or has no storage
         return -1
 
 
@@ -126,6 +141,31 @@ def _dense(t):
             return False
         expected *= size
     return True
+
+
+def _may_overlap_itself(t):
+    """False when ``t``'s strides give every element its own address (each stride, in increasing
+    order, beyond the reach of the smaller ones); True when they may not (expanded or as_strided)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _check_own_elements(t, name):
+    """A destination must not hold one memory location twice: the result would depend on the order
+    of the writes."""
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is an expanded view (a stride of 0); it cannot be written element-wise")
+    if _may_overlap_itself(t):
+        if t.numel() > _EXACT_CHECK_LIMIT:
+            raise ValueError(f"{name} has strides that may give two elements one address, and too many elements "
+                             f"({t.numel()}) to check one by one; write into a contiguous tensor and copy it")
+        if torch.unique(_words(t, t.element_size())).numel() < t.numel():
+            raise ValueError(f"{name} overlaps itself (several elements at one address, as torch.as_strided can "
+                             "make); it cannot be written element-wise")
 
 
 def _words(t, unit):
@@ -256,7 +296,6 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     on one device. ``dtype`` defaults to the inputs' promoted dtype (or ``out.dtype``).
     """
     tensors = _as_list(tensors, "tensors")
-    scale = _check_scale(scale)
     if out is not None:
         _check_tensor(out, "out")
     numel = _plain_numel(tensors, out, written=False)
@@ -264,6 +303,7 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     if not plain:
         _check_tensor_list(tensors, "tensors")
         numel = sum(t.numel() for t in tensors)
+    scale = _check_scale(scale)
     if dtype is None:
         if out is not None:
             dtype = out.dtype
@@ -298,22 +338,22 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     """
     _check_float_tensor(flat, "flat")
     tensors = _as_list(tensors, "tensors")
-    scale = _check_scale(scale)
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"flat must be a contiguous 1-D tensor, got shape {tuple(flat.shape)}")
-    numel = _plain_numel(tensors, flat, written=True)
+    numel = _plain_numel(tensors, flat, written=True) if flat.dim() == 1 and flat.is_contiguous() else -1
     plain = numel >= 0
     if not plain:
         _check_tensor_list(tensors, "tensors")
         numel = sum(t.numel() for t in tensors)
+    scale = _check_scale(scale)
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"flat must be a contiguous 1-D tensor, got shape {tuple(flat.shape)}")
     if flat.numel() < numel:
         raise ValueError(f"flat has {flat.numel()} elements but the tensors need {numel}")
     if not plain:
         for i, t in enumerate(tensors):
             if t.device != flat.device:
                 raise ValueError(f"tensors[{i}] is on {t.device} but flat is on {flat.device}")
-            if not t.is_contiguous() and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
-                raise ValueError(f"tensors[{i}] is an expanded view (a stride of 0); it cannot be written element-wise")
+            if not t.is_contiguous():
+                _check_own_elements(t, f"tensors[{i}]")
             _check_writable(t, f"tensors[{i}]")
         _check_destinations(flat[:numel], tensors)
     _C.unflatten_from(flat, tensors, scale)

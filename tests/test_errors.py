@@ -120,6 +120,10 @@ def _overlapping_calls():
         (lambda: gradsync.flatten([a[1::4][:2]], out=a[2:4]), None),
         (lambda: gradsync.flatten([a[1::4][:2]], out=a[4:6]), "tensors[0] shares memory with out"),
         (lambda: gradsync.compress(m.t()[0], "none", out=m.t()[1].contiguous()), None),
+        # a destination holding one address twice
+        (lambda: gradsync.unflatten(torch.randn(4), [torch.zeros(3).as_strided((2, 2), (1, 1))]),
+         "tensors[0] overlaps itself"),
+        (lambda: gradsync.unflatten(torch.randn(4), [torch.zeros(5).as_strided((2, 2), (1, 3))]), None),
     ]
 
 
@@ -132,6 +136,21 @@ def test_partial_overlap_raises_like_torch_cat(case):
     with pytest.raises(ValueError) as info:
         call()
     assert words in str(info.value)
+
+
+def test_tensors_without_plain_memory_raise():
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a nested tensor"):
+        gradsync.flatten([nested])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is a negative view .*resolve_neg"):
+        gradsync.unflatten(torch.ones(4), [torch.zeros(2), torch._neg_view(torch.zeros(2))])
+    with pytest.raises(ValueError, match=r"x is a negative view"):
+        gradsync.compress(torch._neg_view(torch.ones(2)), "fp16")
+    assert torch.equal(gradsync.flatten([torch._neg_view(torch.ones(2)).resolve_neg()]), -torch.ones(2))
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    wrapper = two_tensor.TwoTensor(torch.randn(3), torch.randn(3))  # a subclass without storage of its own
+    with pytest.raises(ValueError, match=r"tensors\[0\] has no memory of its own"):
+        gradsync.flatten([wrapper])
 
 
 def test_strided_destinations_that_interleave_are_written_in_one_call(monkeypatch):
@@ -149,7 +168,8 @@ def test_strided_destinations_that_interleave_are_written_in_one_call(monkeypatc
 
 def _random_view(g, storage):
     """One of the tensors a user might pass: a view of ``storage`` (slices, strides, transposes,
-    columns, another dtype, an expanded element) or memory of its own (one requiring grad)."""
+    columns, another dtype, an expanded element, odd strides on size-1 dims, layouts that overlap
+    themselves) or memory of its own (one requiring grad)."""
     a, r, c = g.randrange(24), g.randrange(1, 4), g.randrange(1, 4)
     return g.choice([
         lambda: storage[a:a + g.randrange(9)],
@@ -158,6 +178,8 @@ def _random_view(g, storage):
         lambda: storage[a:a + r * c].view(r, c)[:, g.randrange(c)],
         lambda: storage.view(torch.bfloat16)[2 * a:2 * a + g.randrange(1, 9)],
         lambda: storage[a:a + 1].expand(g.randrange(1, 3)),
+        lambda: storage[a:].as_strided((r, 1, c), (c, g.choice([0, 5, 99]), 1)),
+        lambda: storage[a:].as_strided((r, c), (g.randrange(4), g.randrange(1, 3))),
         lambda: torch.randn(g.randrange(4), generator=torch.Generator().manual_seed(a)),
         lambda: torch.randn(3, generator=torch.Generator().manual_seed(a)).requires_grad_(),
     ])()
@@ -167,23 +189,28 @@ def _call(seed):
     """(the error, or None, and every tensor's bits afterwards) of a random flatten/unflatten."""
     g = random.Random(seed)
     storage = torch.randn(64, generator=torch.Generator().manual_seed(seed))
-    tensors = [_random_view(g, storage) for _ in range(g.randrange(1, 5))]
-    numel = sum(t.numel() for t in tensors)
+    tensors = [_random_view(g, storage) for _ in range(g.randrange(1, 7))]
+    numel = sum(t.numel() for t in tensors) + g.choice([0, 0, 3])  # unflatten ignores a longer flat's tail
+    dtype = g.choice([torch.float32, torch.float32, torch.bfloat16, torch.float16])
     a = g.randrange(64 - numel) if numel < 64 else 0
     buf = storage[a:a + numel] if g.random() < 0.5 and numel < 64 else torch.arange(numel, dtype=torch.float32)
+    buf = buf.view(dtype)[:numel] if dtype != torch.float32 and g.random() < 0.5 else buf.to(dtype)
+    written = [storage, buf, *tensors]
     try:
         if g.random() < 0.5:
-            gradsync.flatten(tensors, out=buf, scale=0.5)
+            n = sum(t.numel() for t in tensors)
+            written.append(gradsync.flatten(tensors, out=buf[:n], scale=0.5) if g.random() < 0.7
+                           else gradsync.flatten(tensors, dtype=dtype, scale=0.5))
         else:
             gradsync.unflatten(buf, tensors, scale=2.0)
         error = None
     except (ValueError, TypeError) as e:
         error = str(e)
-    return error, [torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).view(torch.uint8) for t in [storage, buf, *tensors]]
+    return error, [torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).view(torch.uint8) for t in written]
 
 
 def test_the_fast_checks_of_long_lists_agree_with_the_python_checks(monkeypatch):
-    fast = [_call(seed) for seed in range(1500)]
+    fast = [_call(seed) for seed in range(2000)]
     monkeypatch.setattr(gradsync.ops, "_plain_numel", lambda tensors, buf, written: -1)
     outcomes = {"raised": 0, "ran": 0}
     for seed, (error, bits) in enumerate(fast):
