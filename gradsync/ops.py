@@ -363,21 +363,17 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
 def _check_destinations(read, tensors):
     """No two tensors written share memory, nor does one share memory with the part of ``flat`` read,
     except as its own segment."""
-    spans = _check_segments(tensors, "tensors", read, "flat")
-    by_device = {}
-    for span in spans:
-        by_device.setdefault(span[3].device, []).append(span)
-    for group in by_device.values():
-        try:
-            pair = _sharing_pair(group)
-        except _TooLargeToCheck as e:
-            i, j = e.pair
-            raise ValueError(f"tensors[{i}] and tensors[{j}] are strided tensors whose address ranges meet, too "
-                             f"large ({e.words} words) to check element by element for shared memory: pass them "
-                             "in separate calls") from None
-        if pair:
-            raise ValueError(f"tensors[{pair[0]}] and tensors[{pair[1]}] share memory: both would be written; pass "
-                             "each destination once")
+    spans = _check_segments(tensors, "tensors", read, "flat")  # all on flat's device
+    try:
+        pair = _sharing_pair(spans)
+    except _TooLargeToCheck as e:
+        i, j = e.pair
+        raise ValueError(f"tensors[{i}] and tensors[{j}] are strided tensors whose address ranges meet, too "
+                         f"large ({e.words} words) to check element by element for shared memory: pass them "
+                         "in separate calls") from None
+    if pair:
+        raise ValueError(f"tensors[{pair[0]}] and tensors[{pair[1]}] share memory: both would be written; pass "
+                         "each destination once")
 
 
 def _payload_dtype(codec, x_dtype):
