@@ -410,8 +410,9 @@ UNUSED_STEPS = [([0], [], "before"), ([], [], "before"), ([], [1], "before"), ([
 
 
 def unused_like_ddp(rank, size, modes):
-    """Per mode, per step of UNUSED_STEPS, every parameter's gradient (None or a copy)."""
-    out = {}
+    """Per mode, per step of UNUSED_STEPS, every parameter's gradient (None or a copy); per mode with
+    error feedback, whether the residual of the parameter no rank uses survived step 4."""
+    out = {"extra residual": {}}
     for mode in modes:
         torch.manual_seed(0)
         net = Branches()
@@ -440,7 +441,7 @@ def unused_like_ddp(rank, size, modes):
             F.mse_loss(model(x, rank in users, rank), y).backward()
             out[mode].append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
             if residual is not None and step == 3:  # no rank uses `extra`: its residual outlives the step unpaid
-                out["extra residual"] = (bool(residual.any()), torch.equal(residual, extra_residual(model, net)))
+                out["extra residual"][mode] = (bool(residual.any()), torch.equal(residual, extra_residual(model, net)))
     return out
 
 
@@ -462,7 +463,9 @@ def test_data_parallel_treats_unused_parameters_as_ddp_does(worlds):
     # (no_sync() included) holds the average on every rank, even where its gradient was set to None;
     # one no rank used keeps the gradient it had, None or old
     results = worlds(3).run(unused_like_ddp, ["ddp", *UNUSED_MODES])
-    assert all(r["extra residual"][1] for r in results) and any(r["extra residual"][0] for r in results)
+    for mode in (m for m in UNUSED_MODES if "+ef" in m):
+        kept = [r["extra residual"][mode] for r in results]
+        assert all(same for _, same in kept) and any(nonzero for nonzero, _ in kept), mode
     for rank, result in enumerate(results):
         ddp = result["ddp"]
         for mode, tolerance in UNUSED_MODES.items():
