@@ -287,6 +287,30 @@ def test_hierarchical_shard_residuals_follow_bucket_rebuilds(worlds):
     assert all(worlds(4).run(shard_residuals_on_rebuild))
 
 
+def hierarchical_feedback(rank, size):
+    """hierarchical_average's residual is that of its all-reduce across the nodes: the same steps by
+    hand (the node's reduce-scatter, gradsync's fp8 all-reduce of the shard with a residual, the
+    node's all-gather) give the same bits, residual included, two calls in a row."""
+    state = hooks.HierarchicalState(2)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1001, generator=g) * 10 ** torch.randint(-3, 3, (1001,), generator=g)  # numel odd: padded
+    shard_numel = 501
+    residual, by_hand = torch.zeros(shard_numel), torch.zeros(shard_numel)
+    for _ in range(2):
+        ours = x.clone()
+        hooks.hierarchical_average(ours, state.local_group, state.cross_group, "fp8_e4m3", residual=residual).wait()
+        padded, shard = torch.cat([x, x.new_zeros(1)]), x.new_empty(shard_numel)
+        gradsync.reduce_scatter(shard, padded, codec="none", group=state.local_group)
+        gradsync.all_reduce(shard, codec="fp8_e4m3", group=state.cross_group, residual=by_hand)
+        dist.all_gather_into_tensor(padded, shard, group=state.local_group)
+        assert torch.equal(ours, padded[:1001]) and torch.equal(residual, by_hand) and residual.any()
+    return True
+
+
+def test_hierarchical_error_feedback_is_that_of_the_all_reduce_across_nodes(worlds):
+    assert all(worlds(4).run(hierarchical_feedback))
+
+
 def test_hierarchical_hook_refuses_what_it_cannot_take(worlds):
     assert all(worlds(4).run(hierarchical_misuse))
 

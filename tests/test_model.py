@@ -75,6 +75,18 @@ def test_the_direct_exchange_covers_small_payloads_of_small_groups_only():
     assert not model.takes_direct_exchange(16, 4, "fp16", 0)  # the GPU ring: direct_bytes 0
 
 
+def test_each_host_sends_n_minus_1_payloads_in_the_direct_exchange_else_2_n_minus_1_over_n():
+    limit = model.DIRECT_BYTES
+    small, large = 4096, NUMEL  # fp32 elements; only the first fits the direct exchange in fp16
+    for n in (2, 3, 4):
+        assert model.host_traffic_bytes(small, n, "gradsync fp16", 8192, limit) == (n - 1) * 8192
+        assert model.host_traffic_bytes(small, n, "gradsync fp16+ef", 8192, limit) == (n - 1) * 8192
+        for impl in ("gradsync fp16 ring", "torch fp32", "torch fp16 hook path"):  # rings, whatever the size
+            assert model.host_traffic_bytes(small, n, impl, 8192, limit) == pytest.approx(2 * (n - 1) / n * 8192)
+        assert model.host_traffic_bytes(large, n, "gradsync fp16", 2 * large, limit) == pytest.approx(
+            2 * (n - 1) / n * 2 * large)
+
+
 def test_one_rank_or_nothing_costs_nothing():
     assert model.ring_time(NUMEL, 1, link(), FREE, "fp8_e4m3") == 0.0
     assert model.ring_time(0, 8, link(), FREE, "fp16") == 0.0

@@ -267,11 +267,11 @@ class Mlp(torch.nn.Module):
         return self.layers[-1](x)
 
 
-def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1, hybrid=False):
+def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1, hybrid=False, replica_op="avg"):
     """Per mode, the full parameters after `steps` SGD steps of an FSDP2 model on this rank's batches;
     `divide_factor`: every FSDP module's set_gradient_divide_factor. `hybrid`: two replicas, each
-    sharded over half the ranks, and gradsync's modes all-reduce across them (the reduce-scatter
-    stays FSDP2's)."""
+    sharded over half the ranks, and gradsync's modes all-reduce across them with `replica_op` (the
+    reduce-scatter stays FSDP2's, but for a divide factor, which gloo cannot apply)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -293,7 +293,9 @@ def fsdp_train(rank, size, modes, steps, divide_factor=None, lr=0.1, hybrid=Fals
             codec, _, ef = mode.partition("+")
             if hybrid:
                 replicas = mesh_2d["replicate"].get_group()
-                found = fsdp.compress_replica_all_reduce(model, replicas, codec, error_feedback=bool(ef))
+                found = fsdp.compress_replica_all_reduce(model, replicas, codec, op=replica_op, error_feedback=bool(ef))
+                if divide_factor is not None:  # gloo has no PREMUL_SUM: gradsync reduce-scatters in the pairs too
+                    assert fsdp.compress_reduce_scatter(model, "none") == found
             else:
                 found = fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef))
             assert found == 3  # the layers; the root holds no parameters of its own
@@ -348,6 +350,19 @@ def test_fsdp2_replicas_all_reduce_through_gradsync(worlds):
         assert all(torch.equal(r[mode], results[0][mode]) for r in results), f"{mode}: ranks differ"
         distance = float((results[0][mode] - reference).norm() / reference.norm())
         assert distance < tolerance, (mode, distance)
+
+
+def test_fsdp2_replicas_sum_after_a_divide_factor_of_every_rank(worlds):
+    """As FSDP2's own hybrid sharding: set_gradient_divide_factor(4) divides by every rank in the
+    reduce-scatter over each pair (gradsync's, "none"), and op="sum" across the pairs completes the
+    average."""
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    reference = worlds(4).run(fsdp_train, ["torch"], 8)[0]["torch"]
+    results = worlds(4).run(fsdp_train, ["none", "fp16"], 8, 4.0, 0.1, True, "sum")
+    for mode in ("none", "fp16"):
+        assert all(torch.equal(r[mode], results[0][mode]) for r in results), f"{mode}: ranks differ"
+        distance = float((results[0][mode] - reference).norm() / reference.norm())
+        assert distance < FSDP_MODES[mode], (mode, distance)
 
 
 def hybrid_misuse(rank, size):
