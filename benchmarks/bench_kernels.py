@@ -126,6 +126,8 @@ def main():
     parser.add_argument("--max-mb", type=int, default=None,
                         help="largest single buffer in MB of fp32 (default: 1024 on CUDA, 256 on CPU)")
     parser.add_argument("--sets-only", action="store_true", help="only the GPT-2 and ResNet-50 parameter sets")
+    parser.add_argument("--cases", nargs="*", help="only cases whose name contains one of these (gpt2, resnet50, "
+                        "buffer-64MB, ...)")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--plot", help="write a PNG of GB/s vs size here")
     args = parser.parse_args()
@@ -138,6 +140,10 @@ def main():
         while mb <= max_mb:
             cases.append((f"buffer-{mb}MB", [(mb * 2**20 // 4,)]))
             mb *= 4
+    if args.cases:
+        cases = [(name, shapes_) for name, shapes_ in cases if any(c in name for c in args.cases)]
+        if not cases:
+            parser.error(f"no case matches --cases {' '.join(args.cases)}")
     largest = max(sum(math.prod(s) for s in shape_list) for _, shape_list in cases)
     copy_rate = copy_gbps(largest, device)
     title = (f"gradsync kernels on {common.machine_description(device)}; CPU kernels: {gradsync._C.cpu_isa()}; "

@@ -1,0 +1,62 @@
+"""The benchmark scripts run end to end on small cases and write the tables and JSON they promise.
+
+bench_allreduce.py runs in the emulated cluster's tests (test_netem.py); the GPU suite runs these
+scripts again on a GPU, where a script that fails would cost a scarce machine's time.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def run(args, tmp_path, timeout=180):
+    """The script's stdout; on a timeout its whole process group (torchrun's workers too) is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return stdout
+
+
+def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
+    out = tmp_path / "kernels.json"
+    table = run([os.path.join(BENCH, "bench_kernels.py"), "--device", "cpu", "--cases", "resnet50", "buffer-4MB",
+                 "--max-mb", "4", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["case"] for r in rows} == {"resnet50", "buffer-4MB"}
+    ops = {r["op"] for r in rows if r["case"] == "resnet50"}
+    assert {"torch cat+div+half", "gradsync flatten(fp16)", "gradsync unflatten(fp16)",
+            "gradsync compress(fp8_e4m3)", "gradsync decompress(fp8_e4m3)"} <= ops
+    for r in rows:
+        assert r["time_ms"] > 0 and r["gbps"] > 0 and r["op"] in table, r
+        assert abs(r["gbps"] - r["bytes_moved"] / (r["time_ms"] * 1e6)) < 1e-6 * r["gbps"], r
+    flatten = next(r for r in rows if r["case"] == "resnet50" and r["op"] == "gradsync flatten(fp16)")
+    assert flatten["tensors"] == 161 and flatten["bytes_moved"] == 6 * flatten["count"]  # fp32 in, fp16 out
+    # fp16 of standard normal data: a relative L2 error near 2^-12 (a bug in the cast would show)
+    assert 1e-4 < flatten["error"] < 4e-4, flatten
+
+
+def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
+    out = tmp_path / "ddp.json"
+    table = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 os.path.join(BENCH, "bench_ddp.py"), "--params", "2e5", "--layers", "4", "--batch", "4",
+                 "--steps", "2", "--json", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    modes = {r["mode"] for r in report["rows"]}
+    assert {"DDP default (fp32)", "torch fp16 hook", "gradsync fp16 hook", "compute only (no_sync)",
+            "communication only (gradsync fp16)"} <= modes
+    assert any("DataParallel" in m for m in modes)
+    assert report["meta"]["ranks"] == 2 and abs(report["meta"]["params"] - 2e5) < 0.1 * 2e5
+    for r in report["rows"]:
+        assert r["step_ms"] > 0 and r["mode"] in table, r
+    assert "overlap timeline" in table
