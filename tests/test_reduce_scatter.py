@@ -365,6 +365,40 @@ def test_fsdp2_replicas_sum_after_a_divide_factor_of_every_rank(worlds):
         assert distance < FSDP_MODES[mode], (mode, distance)
 
 
+def fsdp_checks(rank, size):
+    """The check_call of every call fsdp.ReduceScatter and ReplicaAllReduce make."""
+    from gradsync import fsdp
+
+    calls = []
+    real = fsdp.reduce_scatter, fsdp.all_reduce
+
+    def recorded(kind, fn):
+        def call(*args, **kwargs):
+            calls.append((kind, kwargs["check_call"]))
+            return fn(*args, **kwargs)
+        return call
+    fsdp.reduce_scatter, fsdp.all_reduce = recorded("rs", real[0]), recorded("ar", real[1])
+    try:
+        group, avg = dist.group.WORLD, dist.ReduceOp.AVG
+        scatter, replicas = fsdp.ReduceScatter("fp16"), fsdp.ReplicaAllReduce(group, "fp16")
+        x, y = torch.randn(4 * size), torch.randn(8 * size)
+        scatter(torch.empty(8), y, group, avg, async_op=True).wait()  # an async call's success is known later
+        for _ in range(2):
+            scatter(torch.empty(4), x, group, avg)
+            scatter(torch.empty(8), y, group, avg)
+        for _ in range(2):
+            replicas(torch.randn(5))
+    finally:
+        fsdp.reduce_scatter, fsdp.all_reduce = real
+    return calls
+
+
+def test_fsdp2_hooks_check_each_layout_until_a_call_of_it_succeeds(worlds):
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    expected = [("rs", True), ("rs", True), ("rs", True), ("rs", False), ("rs", False), ("ar", True), ("ar", False)]
+    assert worlds(2).run(fsdp_checks) == [expected, expected]
+
+
 def hybrid_misuse(rank, size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
