@@ -197,6 +197,10 @@ def subgroup_calls(rank, size):
     out = {}
     for name, group, members in (("first", first, [0, 1, 2]), ("second", second, [1, 3])):
         if rank not in members:
+            for call in (lambda: gradsync.all_reduce(torch.ones(3), group=group),
+                         lambda: gradsync.reduce_scatter(torch.ones(1), torch.ones(len(members)), group=group)):
+                with pytest.raises(ValueError, match="not a member of the group"):
+                    call()
             continue
         # the direct exchange, and the ring (both halves) at a small and a large size
         for numel, direct in ((5000, None), (5000, 0), (2**20 + 3, None)):

@@ -746,6 +746,30 @@ def test_data_parallel_broadcasts_buffers_at_wrapping_and_before_training_forwar
         assert out[False][2] == ([float(rank)] * 3, 10 * rank + 1)
 
 
+def buffers_around_no_sync(rank, size):
+    """Each rank's BatchNorm running mean, set to the rank before every step (momentum 0 keeps it),
+    after steps whose forward and backward run: synchronized; inside no_sync(); synchronized twice;
+    under DDP and under DataParallel."""
+    out = {}
+    for kind in ("ddp", "dp"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3, momentum=0.0))
+        model = DDP(net) if kind == "ddp" else gradsync.DataParallel(net, codec="none")
+        out[kind] = []
+        for inside in (False, True, False, False):
+            net[1].running_mean.fill_(float(rank))
+            with model.no_sync() if inside else contextlib.nullcontext():
+                model(torch.randn(8, 4)).sum().backward()
+            out[kind].append(net[1].running_mean.tolist())
+    return out
+
+
+def test_data_parallel_skips_the_buffer_broadcast_after_a_no_sync_forward_as_ddp_does(worlds):
+    results = worlds(2).run(buffers_around_no_sync)
+    assert results[1]["ddp"] == [[0.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]  # what DDP does
+    assert all(r["dp"] == r["ddp"] for r in results)
+
+
 def wrap_again(rank, size):
     net = make_net()
     model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB)
