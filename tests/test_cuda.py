@@ -4,7 +4,7 @@ import torch
 
 import gradsync
 from conftest import FLOAT_DTYPES, float_bits, random_bits_floats, random_floats, same_bits
-from test_flatten import gradient_like_list
+from test_flatten import gradient_like_list, strided_past_a_chunk
 
 pytestmark = pytest.mark.cuda
 CODECS = gradsync.CODECS
@@ -42,6 +42,19 @@ def test_unflatten_matches_cpu_bitwise(flat_dtype):
     gradsync.unflatten(flat.cuda(), gpu, scale=0.7)
     for a, b in zip(cpu, gpu):
         assert same_bits(a, b.cpu())
+
+
+def test_strided_tensors_past_a_chunk_match_cpu_bitwise():
+    cpu = strided_past_a_chunk(torch.Generator().manual_seed(6))
+    gpu = to_cuda(cpu)
+    for dtype in FLOAT_DTYPES:
+        assert same_bits(gradsync.flatten(gpu, dtype=dtype, scale=1 / 3).cpu(), gradsync.flatten(cpu, dtype=dtype, scale=1 / 3))
+    flat = random_floats(sum(t.numel() for t in cpu), low_exp=-5, high_exp=5)
+    gradsync.unflatten(flat, cpu, scale=0.7)
+    gradsync.unflatten(flat.cuda(), gpu, scale=0.7)
+    for a, b in zip(cpu, gpu):  # the whole storage: what lies between the rows included
+        assert same_bits(torch.empty(0, dtype=a.dtype).set_(a.untyped_storage()),
+                         torch.empty(0, dtype=b.dtype).set_(b.untyped_storage().cpu()))
 
 
 def test_misaligned_offsets_take_the_scalar_path_correctly():

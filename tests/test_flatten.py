@@ -24,6 +24,7 @@ def gradient_like_list(seed=0):
         torch.randn(1, 9, 1, generator=g).half(),
         torch.randn(4, 1, generator=g).expand(4, 6),            # stride-0 view (read only)
         random_floats(1000, generator=g),
+        torch.randn(200, 999, generator=g)[:, ::3],             # strided, past a chunk, rows of 333
     ]
 
 
@@ -100,6 +101,31 @@ def test_large_list_spans_many_chunks(cpu_isa):
     tensors = [torch.randn(int(n), generator=g) for n in torch.randint(0, 70000, (40,), generator=g)]
     flat = gradsync.flatten(tensors, dtype=torch.float16, scale=0.01)
     assert same_bits(flat, reference_flatten(tensors, torch.float16, 0.01))
+
+
+def strided_past_a_chunk(g):
+    """Views longer than a kernel chunk (32768 elements on CPU, 16384 on CUDA) whose rows divide
+    neither, so that chunks start and end mid-row: slices (inner stride 1) and a transpose (not)."""
+    return [torch.randn(300, 301, generator=g)[:, :300], torch.randn(257, 300, generator=g).t().half(),
+            torch.randn(200, 333, generator=g).bfloat16()[:, :-1]]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_strided_tensors_past_a_chunk(cpu_isa, scale):
+    tensors = strided_past_a_chunk(torch.Generator().manual_seed(5))
+    assert all(not t.is_contiguous() and t.numel() > 32768 for t in tensors)
+    for dtype in FLOAT_DTYPES:
+        assert same_bits(gradsync.flatten(tensors, dtype=dtype, scale=scale), reference_flatten(tensors, dtype, scale))
+    bases = [torch.zeros(300, 301), torch.zeros(257, 300, dtype=torch.float16), torch.zeros(200, 333, dtype=torch.bfloat16)]
+    targets = [bases[0][:, :300], bases[1].t(), bases[2][:, :-1]]
+    flat = random_floats(sum(t.numel() for t in targets), low_exp=-5, high_exp=5)
+    gradsync.unflatten(flat, targets, scale=scale)
+    at = 0
+    for t in targets:
+        expected = (flat[at:at + t.numel()] * scale).to(t.dtype).view(t.shape)
+        assert same_bits(t.contiguous(), expected)
+        at += t.numel()
+    assert not bases[0][:, 300:].any() and not bases[2][:, -1:].any()  # what lies between the rows stays
 
 
 def test_scalar_and_vector_paths_agree_bitwise():
