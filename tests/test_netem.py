@@ -26,7 +26,7 @@ def commands(stdout):
 
 
 def test_dry_run_prints_every_command_and_touches_only_its_namespaces():
-    result = run_sh("--dry-run", "--hosts", "3", "--rate", "1gbit,2gbit", "--out", "/nowhere")
+    result = run_sh("--dry-run", "--hosts", "3", "--rate", "100mbit,1gbit,2gbit", "--out", "/nowhere")
     assert result.returncode == 0, result.stderr
     cmds = commands(result.stdout)
     ours = {"gsnet-sw", "gsnet-h0", "gsnet-h1", "gsnet-h2"}
@@ -44,10 +44,11 @@ def test_dry_run_prints_every_command_and_touches_only_its_namespaces():
 
     shapers = [c for c in cmds if c[0] == "tc"]
     bursts = {c[c.index("rate") + 1]: int(c[c.index("burst") + 1]) for c in shapers}
-    assert len(shapers) == 6 and bursts == {"1gbit": 500_000, "2gbit": 1_000_000}  # 4 ms of traffic
+    # 4 ms of traffic, at least 256 KB
+    assert len(shapers) == 9 and bursts == {"100mbit": 262_144, "1gbit": 500_000, "2gbit": 1_000_000}
 
     ranks = [c for c in cmds if c[1:3] == ["netns", "exec"]]
-    assert len(ranks) == 6
+    assert len(ranks) == 9
     for i, cmd in enumerate(ranks[:3]):
         env = dict(arg.split("=", 1) for arg in cmd[cmd.index("env") + 1:cmd.index("timeout")])
         assert env == {"RANK": str(i), "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
