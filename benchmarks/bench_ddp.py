@@ -106,8 +106,8 @@ def main():
     n, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu")
     mlp = functools.partial(deep_mlp, args.params, args.layers)
-    width = mlp(device="meta")[1]
-    numel = sum(p.numel() for p in mlp(device="meta")[0].parameters())
+    meta, width = mlp(device="meta")
+    numel = sum(p.numel() for p in meta.parameters())
     x = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(rank))
 
     def step(model, sync=True):

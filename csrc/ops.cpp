@@ -240,7 +240,7 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
         std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
         for (int64_t d = 0; d < t.dim(); ++d) {
           last += (t.size(d) - 1) * t.stride(d);
-          if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+          if (written && t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
         }
         if (written) {  // each stride beyond the reach of the smaller ones: no element written twice
           std::sort(dims.begin(), dims.end());
