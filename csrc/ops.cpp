@@ -1,10 +1,13 @@
-// Python bindings of the kernels: tensors in, raw pointers and device streams out. Argument
-// checking with user-facing messages lives in gradsync/ops.py; the checks here only guard the
-// kernels against misuse of the private module.
+// The kernels as torch operators (torch.ops.gradsync.*, one schema each, the same function
+// registered for CPU and CUDA) and the private module's other bindings: tensors in, raw pointers
+// and device streams out. Argument checking with user-facing messages lives in gradsync/ops.py,
+// and so do the operators' fake (shape-only) implementations; the checks here only guard the
+// kernels against direct calls.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -67,18 +70,23 @@ void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the ker
               "gradsync: the kernels take tensors with memory of their own");
 }
 
+void check_scale(double scale) {  // ops.py checks it too, except for a scale traced by torch.compile
+  TORCH_CHECK(std::isfinite(scale), "gradsync: scale must be finite, got ", scale);
+}
+
 void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
   check_dense_cpu_or_cuda(t);
   TORCH_CHECK(t.device() == flat.device(), "gradsync: tensors must be on the flat buffer's device ", flat.device(),
               ", got ", t.device());
 }
 
-void multi_tensor_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale_d,
+void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, double scale_d,
                        Direction direction) {
   check_dense_cpu_or_cuda(flat);
   TORCH_CHECK(flat.is_contiguous(), "gradsync: the flat buffer must be contiguous");
   const DType flat_dtype = to_dtype(flat.scalar_type());
   const int fsize = dtype_size(flat_dtype);
+  check_scale(scale_d);
   const float scale = static_cast<float>(scale_d);
   std::vector<Segment> segments(tensors.size());
   std::vector<at::Tensor> keep_alive;                             // contiguous copies of exotic layouts
@@ -128,11 +136,11 @@ void multi_tensor_copy(const at::Tensor& flat, const std::vector<at::Tensor>& te
   for (auto& [user, stand_in] : write_back) user.copy_(stand_in);
 }
 
-void flatten_into(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale) {
+void flatten_into(at::TensorList tensors, const at::Tensor& flat, double scale) {
   multi_tensor_copy(flat, tensors, scale, Direction::kToFlat);
 }
 
-void unflatten_from(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale) {
+void unflatten_from(const at::Tensor& flat, at::TensorList tensors, double scale) {
   for (const at::Tensor& t : tensors) {
     for (int64_t d = 0; d < t.dim() && t.numel() > 1; ++d) {
       TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "gradsync: cannot write into an expanded tensor");
@@ -162,6 +170,7 @@ void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, d
   const Fp8Format format = to_fp8_format(codec);
   const int64_t n = x.numel();
   check_payload(payload, n, x);
+  check_scale(scale_d);
   const float scale = static_cast<float>(scale_d);
   auto* out = static_cast<uint8_t*>(payload.data_ptr());
   if (x.is_cuda()) {
@@ -185,6 +194,7 @@ void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec,
   const Fp8Format format = to_fp8_format(codec);
   const int64_t n = out.numel();
   check_payload(payload, n, out);
+  check_scale(scale_d);
   const float scale = static_cast<float>(scale_d);
   const auto* in = static_cast<const uint8_t*>(payload.data_ptr());
   if (out.is_cuda()) {
@@ -315,13 +325,28 @@ py::object nccl_runtime_version() {
 }  // namespace
 }  // namespace gradsync
 
+// The kernels write into tensors they are given and return nothing, as torch's out= ops do: under
+// torch.compile the writes are functionalized, so a compiled graph holds no hidden mutation.
+TORCH_LIBRARY(gradsync, m) {
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float scale) -> ()");
+  m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
+  m.def("fp8_encode(Tensor x, Tensor(a!) payload, int codec, float scale) -> ()");
+  m.def("fp8_decode(Tensor payload, Tensor(a!) out, int codec, float scale) -> ()");
+}
+
+// CUDA too in a CPU build, where the kernels themselves say that gradsync was built without CUDA.
+#define GRADSYNC_REGISTER_KERNELS(KEY)                  \
+  TORCH_LIBRARY_IMPL(gradsync, KEY, m) {                \
+    m.impl("flatten_into", &gradsync::flatten_into);     \
+    m.impl("unflatten_from", &gradsync::unflatten_from); \
+    m.impl("fp8_encode", &gradsync::fp8_encode);         \
+    m.impl("fp8_decode", &gradsync::fp8_decode);         \
+  }
+GRADSYNC_REGISTER_KERNELS(CPU)
+GRADSYNC_REGISTER_KERNELS(CUDA)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace gradsync;
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("flatten_into", &flatten_into, "Scale, cast and copy tensors into a flat buffer", nogil);
-  m.def("unflatten_from", &unflatten_from, "Scale, cast and copy a flat buffer into tensors", nogil);
-  m.def("fp8_encode", &fp8_encode, "Block-scaled fp8 encode", nogil);
-  m.def("fp8_decode", &fp8_decode, "Block-scaled fp8 decode", nogil);
   m.def("plain_numel", &plain_numel, "Whether ops.py's per-tensor checks would pass: the elements, or -1",
         py::arg("tensors"), py::arg("buf"), py::arg("written"));
   m.def("set_cpu_isa", &set_isa, "Select the CPU kernels' instruction set: auto, avx2 or scalar");

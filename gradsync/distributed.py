@@ -228,6 +228,9 @@ def _attach_nccl(engine, group, device):
     engine.attach_nccl(unique_id[0], device.index, _group_timeout_s(group))
 
 
+# The collectives run eagerly wherever they are called: torch.compile leaves them out of its graphs
+# (a graph break), as it would any call into an extension, without tracing their checks first.
+@torch.compiler.disable
 def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
                check_call: bool = True, residual: Optional[torch.Tensor] = None):
@@ -297,6 +300,7 @@ def _slice_bytes(engine, tensor):
     return NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
 
 
+@torch.compiler.disable
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                    prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
                    check_call: bool = True, residual: Optional[torch.Tensor] = None):

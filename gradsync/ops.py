@@ -1,7 +1,9 @@
 """Fused gradient kernels: multi-tensor flatten/unflatten and the wire codecs.
 
 Every function runs one fused pass over its data (one kernel launch on CUDA) and has a CPU and a
-CUDA implementation that produce the same bits. None of them is differentiable.
+CUDA implementation that produce the same bits. None of them is differentiable. The kernels are torch
+operators (``torch.ops.gradsync``), so the functions also run inside ``torch.compile``d code, where
+the checks that need memory addresses (shared memory, alignment) are left to the kernels' own guards.
 """
 import math
 import numbers
@@ -19,8 +21,36 @@ FP8_BLOCK_SIZE = int(_C.build_info()["fp8_block_size"])
 padding up to a multiple of 16 bytes, then one float32 decode scale (a power of two) per block."""
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNELS = torch.ops.gradsync
 _CODEC_IDS = {name: i for i, name in enumerate(CODECS)}
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# What the kernels do to shapes, for torch.compile's fake tensors: nothing, as each writes into a
+# tensor it is given.
+@torch.library.register_fake("gradsync::flatten_into")
+def _(tensors, out, scale):
+    pass
+
+
+@torch.library.register_fake("gradsync::unflatten_from")
+def _(flat, tensors, scale):
+    pass
+
+
+@torch.library.register_fake("gradsync::fp8_encode")
+def _(x, payload, codec, scale):
+    pass
+
+
+@torch.library.register_fake("gradsync::fp8_decode")
+def _(payload, out, codec, scale):
+    pass
+
+
+def _compiling():
+    """Whether torch.compile is tracing: its fake tensors have shapes but no memory addresses."""
+    return torch.compiler.is_compiling()
 
 
 def _check_tensor(value, name):
@@ -32,10 +62,10 @@ def _check_tensor(value, name):
         raise ValueError(f"{name} is a nested tensor; gradsync's kernels take dense (strided) tensors")
     if value.layout != torch.strided:
         raise ValueError(f"{name} has layout {value.layout}; gradsync's kernels take dense (strided) tensors")
-    if value.numel() and not _data_ptr(value):
+    if value.numel() and not _compiling() and not _data_ptr(value):
         raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
                          "pass plain tensors")
-    if value.is_neg():
+    if not _compiling() and value.is_neg():  # torch.compile resolves negative views itself
         raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign the kernels would not apply; "
                          f"pass {name}.resolve_neg()")
 
@@ -69,7 +99,7 @@ def _check_float_dtype(dtype, name):
 def _check_scale(scale, name="scale"):
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    if not _compiling() and not math.isfinite(scale):  # a traced scale may be symbolic
         raise ValueError(f"{name} must be finite, got {scale}")
     return float(scale)
 
@@ -101,6 +131,8 @@ def _plain_numel(tensors, buf, written):
     """The elements of ``tensors`` when every per-tensor check (and the shared-memory rule against
     ``buf`` and, when ``written``, between the tensors) would pass, else -1: then the Python checks
     run, to name the problem. Long lists of small parameters spend most of a call in those checks."""
+    if _compiling():
+        return -1
     try:
         return _C.plain_numel(tensors, buf, written)
     except (TypeError, RuntimeError):  # an element that is not a tensor, or has no storage
@@ -160,6 +192,9 @@ def _check_own_elements(t, name):
     if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is an expanded view (a stride of 0); it cannot be written element-wise")
     if _may_overlap_itself(t):
+        if _compiling():
+            raise ValueError(f"{name} has strides that may give two elements one address, which cannot be "
+                             "checked under torch.compile; write into a contiguous tensor and copy it")
         if t.numel() > _EXACT_CHECK_LIMIT:
             raise ValueError(f"{name} has strides that may give two elements one address, and too many elements "
                              f"({t.numel()}) to check one by one; write into a contiguous tensor and copy it")
@@ -231,7 +266,10 @@ def _check_segments(tensors, name, buf, buf_name, one=False):
     """Raises unless each of ``tensors`` (copied to or from consecutive segments of ``buf``) shares no
     memory with ``buf``, or is exactly its own segment of ``buf`` in ``buf``'s dtype (then each element
     is read and written in place, which is safe). Returns the tensors' spans for _sharing_pair (empty
-    ones left out). ``one``: ``tensors`` is the single tensor called ``name``."""
+    ones left out). ``one``: ``tensors`` is the single tensor called ``name``. Under torch.compile,
+    which functionalizes the kernels' writes, there are no addresses to compare: no spans."""
+    if _compiling():
+        return []
     spans, offset = [], 0
     lo, hi = _byte_span(buf) if buf.numel() else (0, 0)
     for i, t in enumerate(tensors):
@@ -267,8 +305,9 @@ def _check_writable(t, name):
 
 def _mark_written(tensors):
     # bumps the version counters, as an in-place torch op does, so that autograd sees a tensor it
-    # saved for backward was overwritten
-    torch.autograd.graph.increment_version(tensors)
+    # saved for backward was overwritten (a compiled graph's functionalized writes need no bump)
+    if not _compiling():
+        torch.autograd.graph.increment_version(tensors)
 
 
 def payload_nbytes(codec: str, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -311,8 +350,8 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
             raise ValueError("tensors is empty: pass dtype= or out= to say what to return")
         else:
             dtype = tensors[0].dtype
-            for t in tensors[1:]:
-                dtype = torch.promote_types(dtype, t.dtype)
+            for other in {t.dtype for t in tensors}:  # the distinct dtypes: long lists have one or two
+                dtype = torch.promote_types(dtype, other)
     _check_float_dtype(dtype, "dtype")
     if out is None:
         if not tensors:
@@ -323,7 +362,7 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
         _check_writable(out, "out")
         if not plain:
             _check_segments(tensors, "tensors", out, "out")
-    _C.flatten_into(tensors, out, scale)
+    _KERNELS.flatten_into.default(tensors, out, scale)
     _mark_written(out)
     return out
 
@@ -356,7 +395,7 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
                 _check_own_elements(t, f"tensors[{i}]")
             _check_writable(t, f"tensors[{i}]")
         _check_destinations(flat[:numel], tensors)
-    _C.unflatten_from(flat, tensors, scale)
+    _KERNELS.unflatten_from.default(flat, tensors, scale)
     _mark_written(tensors)
 
 
@@ -382,7 +421,7 @@ def _payload_dtype(codec, x_dtype):
 
 def _check_fp8_payload_alignment(payload, name):
     # CUDA kernels read and write the block scales as floats, which a misaligned address would fault on
-    if payload.is_cuda and payload.data_ptr() % 4:
+    if payload.is_cuda and not _compiling() and payload.data_ptr() % 4:
         raise ValueError(f"{name}: an fp8 payload on CUDA must start at a 4-byte aligned address (its block "
                          f"scales are floats); this one starts {payload.data_ptr() % 4} bytes past one")
 
@@ -407,10 +446,10 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
         _check_writable(out, "out")
         _check_segments([x], "x", out, "out", one=True)
     if codec == "none" or codec in _CAST_DTYPES:
-        _C.flatten_into([x], out, scale)
+        _KERNELS.flatten_into.default([x], out, scale)
     else:
         _check_fp8_payload_alignment(out, "out")
-        _C.fp8_encode(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
+        _KERNELS.fp8_encode.default(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
     _mark_written(out)
     return out
 
@@ -445,9 +484,9 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
         _check_writable(out, "out")
         _check_segments([payload], "payload", out, "out", one=True)
     if wire_numel is not None:
-        _C.unflatten_from(payload.view(-1), [out], scale)
+        _KERNELS.unflatten_from.default(payload.view(-1), [out], scale)
     else:
         _check_fp8_payload_alignment(payload, "payload")
-        _C.fp8_decode(payload.view(-1), out, _CODEC_IDS[codec], scale)
+        _KERNELS.fp8_decode.default(payload.view(-1), out, _CODEC_IDS[codec], scale)
     _mark_written(out)
     return out

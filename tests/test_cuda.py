@@ -162,6 +162,24 @@ def test_cuda_bad_input():
         gradsync.compress(torch.randn(3, device="cuda"), "fp16", out=torch.empty(3, dtype=torch.float16))
 
 
+def test_operators_and_compiled_functions_on_cuda():
+    from test_compile import mixed_list, opcheck, sync_round_trip
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(300, generator=g).cuda()
+    payload = gradsync.compress(x, "fp8_e4m3")
+    opcheck(torch.ops.gradsync.flatten_into.default, ([t.cuda() for t in mixed_list(g)], torch.empty(1000, device="cuda"), 0.5))
+    opcheck(torch.ops.gradsync.fp8_encode.default, (x, torch.empty_like(payload), 3, 0.5))
+    opcheck(torch.ops.gradsync.fp8_decode.default, (payload, torch.empty_like(x), 3, 2.0))
+    torch._dynamo.reset()
+    compiled = torch.compile(sync_round_trip, backend="aot_eager", fullgraph=True)
+    for codec in CODECS:
+        grads = [t.cuda() for t in mixed_list(g)]
+        eager_grads = [t.clone() for t in grads]
+        assert same_bits(compiled(grads, codec).cpu(), sync_round_trip(eager_grads, codec).cpu()), codec
+        for a, b in zip(grads, eager_grads):
+            assert same_bits(a.cpu(), b.cpu()), codec
+
+
 def test_a_nccl_hop_is_measured_on_one_gpu():
     device = torch.cuda.current_device()
     rows = gradsync._C._nccl_hop_cost(device, 20, [4096, 65536], 2)

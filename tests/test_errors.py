@@ -75,19 +75,22 @@ def test_bad_input_names_the_argument(call, error, words):
     assert words in str(info.value)
 
 
-def test_private_module_guards_the_kernels_too():
+def test_the_operators_guard_the_kernels_too():
     from gradsync import _C
+    kernels = torch.ops.gradsync
     with pytest.raises(RuntimeError, match="flat buffer holds 5 elements"):
-        _C.flatten_into([x], torch.empty(5), 1.0)
+        kernels.flatten_into([x], torch.empty(5), 1.0)
     with pytest.raises(RuntimeError, match="fp8 payload of 10 elements is 20"):
-        _C.fp8_encode(x, torch.empty(3, dtype=torch.uint8), 3, 1.0)
+        kernels.fp8_encode(x, torch.empty(3, dtype=torch.uint8), 3, 1.0)
     with pytest.raises(RuntimeError, match="not an fp8 codec id"):
-        _C.fp8_encode(x, torch.empty(32, dtype=torch.uint8), 1, 1.0)
-    meta = torch.empty(10, device="meta")
-    with pytest.raises(RuntimeError, match="dense CPU or CUDA tensors, got a Strided tensor on meta"):
-        _C.flatten_into([meta], meta, 1.0)
-    with pytest.raises(RuntimeError, match="dense CPU or CUDA tensors, got a Strided tensor on meta"):
-        _C.fp8_encode(meta, torch.empty(20, dtype=torch.uint8, device="meta"), 3, 1.0)
+        kernels.fp8_encode(x, torch.empty(32, dtype=torch.uint8), 1, 1.0)
+    for scale in (float("inf"), float("nan")):  # what torch.compile traces is checked here only
+        with pytest.raises(RuntimeError, match="scale must be finite"):
+            kernels.flatten_into([x], torch.empty(10), scale)
+        with pytest.raises(RuntimeError, match="scale must be finite"):
+            kernels.fp8_decode(torch.zeros(20, dtype=torch.uint8), torch.empty(10), 3, scale)
+    with pytest.raises(NotImplementedError, match="SparseCPU"):  # registered for dense CPU and CUDA only
+        kernels.flatten_into([x.to_sparse()], torch.empty(10), 1.0)
     with pytest.raises(RuntimeError, match="instruction set 'sse9'"):
         _C.set_cpu_isa("sse9")
 

@@ -1,0 +1,129 @@
+"""The kernels as torch operators: their schemas and fake implementations (torch.library.opcheck),
+and the public functions inside torch.compile, bit for bit against eager."""
+import pytest
+import torch
+
+import gradsync
+from conftest import same_bits
+
+KERNELS = torch.ops.gradsync
+FP8_IDS = {"fp8_e4m3": 3, "fp8_e5m2": 4}
+
+
+def mixed_list(g):
+    """Fresh random gradients of every float dtype, a strided view and an empty tensor among them."""
+    return [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).half(), torch.randn(0, 4, generator=g),
+            torch.randn(6, 4, generator=g).bfloat16().t(), torch.randn(300, generator=g)]
+
+
+def opcheck(op, args):
+    # every check but autograd's registration, which holds for differentiable operators only
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_operator_schemas_and_fake_implementations():
+    g = torch.Generator().manual_seed(11)
+    tensors = mixed_list(g)
+    numel = sum(t.numel() for t in tensors)
+    for dtype in (torch.float32, torch.bfloat16):
+        opcheck(KERNELS.flatten_into.default, (tensors, torch.empty(numel + 3, dtype=dtype), 0.25))
+    opcheck(KERNELS.unflatten_from.default, (torch.randn(numel + 3, generator=g), mixed_list(g), 3.0))
+    x = torch.randn(300, generator=g)
+    payload = gradsync.compress(x, "fp8_e4m3")
+    for codec, codec_id in FP8_IDS.items():
+        opcheck(KERNELS.fp8_encode.default, (x, torch.empty_like(payload), codec_id, 0.5))
+        opcheck(KERNELS.fp8_decode.default, (gradsync.compress(x, codec), torch.empty(300).bfloat16(), codec_id, 2.0))
+
+
+def test_the_operators_write_what_they_are_given_and_return_nothing():
+    g = torch.Generator().manual_seed(12)
+    tensors = mixed_list(g)
+    out = torch.empty(sum(t.numel() for t in tensors))
+    assert KERNELS.flatten_into(tensors, out, 1.0) is None
+    assert same_bits(out, gradsync.flatten(tensors, dtype=torch.float32))
+    meta = torch.empty(10, device="meta")  # fake tensors' shapes only: nothing is read or written
+    assert KERNELS.flatten_into([meta], meta, 1.0) is None
+
+
+def sync_round_trip(grads, codec):
+    """What a compressed gradient exchange does to this rank's gradients, without the exchange: flatten
+    and average over 4, encode, decode, write back."""
+    flat = gradsync.flatten(grads, scale=0.25)  # promoted: float32
+    payload = gradsync.compress(flat, codec)
+    restored = gradsync.decompress(payload, codec, flat.numel(), scale=4.0)
+    gradsync.unflatten(restored, grads)
+    return payload
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_functions_match_eager_bit_for_bit(backend):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(13)
+    compiled = torch.compile(sync_round_trip, backend=backend, fullgraph=True)
+    for codec in gradsync.CODECS:
+        grads = mixed_list(g)
+        eager_grads = [t.clone() for t in grads]
+        payload = compiled(grads, codec)
+        assert same_bits(payload, sync_round_trip(eager_grads, codec)), codec
+        for a, b in zip(grads, eager_grads):  # the graph's inputs were written in place
+            assert same_bits(a, b), codec
+
+
+def test_compiled_out_arguments_write_the_callers_tensors():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(14)
+    tensors = mixed_list(g)
+    numel = sum(t.numel() for t in tensors)
+
+    @torch.compile(backend="aot_eager", fullgraph=True, dynamic=True)
+    def pack(tensors, flat, payload):
+        gradsync.flatten(tensors, scale=0.5, out=flat)
+        gradsync.compress(flat, "fp8_e5m2", out=payload)
+
+    for extra in (0, 129):  # a second size, traced once with dynamic shapes
+        tensors.append(torch.randn(extra, generator=g))
+        numel += extra
+        flat = torch.empty(numel)
+        payload = torch.empty(gradsync.payload_nbytes("fp8_e5m2", numel), dtype=torch.uint8)
+        pack(tensors, flat, payload)
+        assert same_bits(flat, gradsync.flatten(tensors, dtype=torch.float32, scale=0.5))
+        assert same_bits(payload, gradsync.compress(flat, "fp8_e5m2"))
+
+
+def test_compiled_calls_keep_the_checks_that_need_no_address():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown codec 'fp4'"):
+        torch.compile(lambda x: gradsync.compress(x, "fp4"), backend="aot_eager", fullgraph=True)(torch.randn(8))
+    with pytest.raises(Exception, match="gradsync takes float32, float16 or bfloat16"):
+        torch.compile(lambda x: gradsync.flatten([x]), backend="aot_eager", fullgraph=True)(torch.ones(4, dtype=torch.int32))
+    overlapping = torch.zeros(16).as_strided((4, 4), (2, 1))  # elements that share addresses
+    with pytest.raises(Exception, match="cannot be checked under torch.compile"):
+        torch.compile(lambda f, t: gradsync.unflatten(f, [t]), backend="aot_eager", fullgraph=True)(torch.randn(16),
+                                                                                                   overlapping)
+
+
+def compiled_collectives(rank, size):
+    """A compiled step that calls the collectives: they run eagerly between the graphs, with the same
+    bits as the same step uncompiled."""
+    def step(x, codec):
+        y = x * 3
+        gradsync.all_reduce(y, codec=codec)
+        shard = torch.empty(y.numel() // size)
+        gradsync.reduce_scatter(shard, y + 1, op="sum", codec=codec)
+        return shard - 1
+
+    from torch._dynamo.utils import counters
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager")
+    g = torch.Generator().manual_seed(rank)
+    for codec in ("none", "fp8_e4m3"):
+        x = torch.randn(1000 * size, generator=g)
+        assert same_bits(compiled(x, codec), step(x, codec)), codec
+    # torch.compile did not trace into them (their locks and engine would break its graphs again)
+    assert counters["graph_break"] and all("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    return True
+
+
+def test_compiled_code_may_call_the_collectives(worlds):
+    torch._dynamo.reset()
+    assert all(worlds(2).run(compiled_collectives))
