@@ -311,6 +311,9 @@ class DataParallel(torch.nn.Module, Joinable):
       the next synchronized backward averages the accumulated gradients. As with DDP, what counts
       is where the forward ran: the backward of a forward made inside ``no_sync()`` communicates
       nothing, wherever it runs.
+    - ``torch.compile(model)`` compiles the wrapped module; this wrapper's bookkeeping runs eagerly
+      around it. The compiled backward delivers its gradients together, so the buckets go out at
+      its end.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
@@ -436,7 +439,17 @@ class DataParallel(torch.nn.Module, Joinable):
         """The parameters of each bucket, in the order buckets are all-reduced."""
         return [list(b.params) for b in self._buckets]
 
+    # Under torch.compile the wrapped module is compiled and the bookkeeping around it runs eagerly,
+    # on real tensors (its collectives, and the walk of the output's autograd graph), as with DDP.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args, **kwargs):
+        self._before_forward()
+        output = self.module(*args, **kwargs)
+        self._after_forward(output)
+        return output
+
+    @torch.compiler.disable
+    def _before_forward(self):
         self._check_parameters()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._abandon_step()  # the last backward raised before its end
@@ -449,19 +462,21 @@ class DataParallel(torch.nn.Module, Joinable):
             self._forward_synced = self._sync
         if broadcasts:
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
-        output = self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _after_forward(self, output):
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
             if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one
                 self._walk_failed = True
                 if not self._warned_walk:
                     self._warned_walk = True
+                    # the forward's caller: past two torch.compiler.disable frames, forward and Module.__call__'s two
                     warnings.warn(f"gradsync.DataParallel(find_unused_parameters=True): the forward's output "
                                   f"({type(output).__name__}) reaches no trainable parameter (the walk follows "
                                   "tensors, lists, tuples, dicts and dataclasses); in such steps buckets wait for "
-                                  "every parameter", stacklevel=4)
+                                  "every parameter", stacklevel=7)
             self._reached = None if self._walk_failed else reached | (self._reached or set())
-        return output
 
     def _broadcasts_buffers(self):
         """Before a training forward, unless the last one was made inside no_sync(): once per step."""

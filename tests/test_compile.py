@@ -1,5 +1,7 @@
 """The kernels as torch operators: their schemas and fake implementations (torch.library.opcheck),
 and the public functions inside torch.compile, bit for bit against eager."""
+import contextlib
+
 import pytest
 import torch
 
@@ -127,3 +129,47 @@ def compiled_collectives(rank, size):
 def test_compiled_code_may_call_the_collectives(worlds):
     torch._dynamo.reset()
     assert all(worlds(2).run(compiled_collectives))
+
+
+class PartlyUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                        torch.nn.Linear(32, 4))
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def compiled_data_parallel(rank, size):
+    """torch.compile(DataParallel(net)), as users compile DDP: the module compiled, the wrapper's
+    bookkeeping (buffer broadcasts, the walk for unused parameters, the buckets' hooks) eager around
+    it; the same parameters and buffers as uncompiled, over a no_sync() step."""
+    from torch._dynamo.utils import counters
+    states = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        net = PartlyUsed()
+        model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=0.002, find_unused_parameters=True,
+                                      gradient_as_bucket_view=True)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            with model.no_sync() if step == 1 else contextlib.nullcontext():
+                run(torch.randn(8, 16, generator=g)).square().mean().backward()
+            if step != 1:
+                opt.step()
+                opt.zero_grad()
+        states.append([t.detach().clone() for t in net.state_dict().values()])
+    assert all(same_bits(a, b) for a, b in zip(*states))
+    # every frame compiled whole: torch.compile never entered gradsync's code
+    assert not counters["graph_break"] and counters["frames"]["ok"] == counters["frames"]["total"] > 0
+    return True
+
+
+def test_a_compiled_data_parallel_trains_as_the_uncompiled_one(worlds):
+    assert all(worlds(2).run(compiled_data_parallel))

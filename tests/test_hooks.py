@@ -684,8 +684,9 @@ def views_at_the_edges(rank, size):
     out["own parameters()"] = not model._walk_members
 
     model = gradsync.DataParallel(OpaqueOutput(), codec="none", bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
-    with pytest.warns(UserWarning, match=r"output \(Opaque\) reaches no trainable parameter"):
+    with pytest.warns(UserWarning, match=r"output \(Opaque\) reaches no trainable parameter") as record:
         F.mse_loss(model(x).value, y).backward()  # every bucket waits, as without the walk
+    assert record[0].filename == __file__, (record[0].filename, record[0].lineno)  # the forward's caller
     out["opaque"] = digest(torch.cat([p.grad.flatten() for p in model.module.body.parameters()]))
     return out
 
