@@ -173,3 +173,30 @@ def compiled_data_parallel(rank, size):
 
 def test_a_compiled_data_parallel_trains_as_the_uncompiled_one(worlds):
     assert all(worlds(2).run(compiled_data_parallel))
+
+
+def compiled_ddp_with_a_hook(rank, size):
+    """torch.compile(DDP(net)) with gradsync's fp8 hook and error feedback: DDP's reducer calls the
+    hook as it does uncompiled, with the same bits."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    states = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        model = DDP(net)
+        model.register_comm_hook(gradsync.hooks.GradSyncState(error_feedback=True), gradsync.hooks.fp8_compress_hook)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            run(torch.randn(8, 16, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        states.append([p.detach().clone() for p in net.parameters()])
+    assert all(same_bits(a, b) for a, b in zip(*states))
+    return True
+
+
+def test_the_hooks_under_a_compiled_ddp(worlds):
+    assert all(worlds(2).run(compiled_ddp_with_a_hook))
