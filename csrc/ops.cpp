@@ -115,6 +115,11 @@ void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, double sc
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
     const int64_t num_chunks = plan_chunks(segments.data(), static_cast<int64_t>(segments.size()), kCudaChunk);
     if (num_chunks > 0) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+                  "gradsync: flatten and unflatten on CUDA cannot be captured in a CUDA graph (each call copies its "
+                  "table of tensors from host memory); call them outside the capture");
       const int64_t table_bytes = static_cast<int64_t>(segments.size() * sizeof(Segment));
       at::Tensor table = at::empty({table_bytes}, flat.options().dtype(at::kByte));
       // A pageable source is staged before cudaMemcpyAsync returns, so `segments` may die after it.
@@ -327,9 +332,16 @@ py::object nccl_runtime_version() {
 
 // The kernels write into tensors they are given and return nothing, as torch's out= ops do: under
 // torch.compile the writes are functionalized, so a compiled graph holds no hidden mutation.
+// flatten_into and unflatten_from copy their segment table from host memory on CUDA, which a CUDA
+// graph cannot capture: the tag keeps them out of torch.compile's CUDA graphs (mode="reduce-overhead").
 TORCH_LIBRARY(gradsync, m) {
-  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float scale) -> ()");
-  m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 8
+  const std::vector<at::Tag> host_table = {at::Tag::cudagraph_unsafe};
+#else
+  const std::vector<at::Tag> host_table = {};
+#endif
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float scale) -> ()", host_table);
+  m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()", host_table);
   m.def("fp8_encode(Tensor x, Tensor(a!) payload, int codec, float scale) -> ()");
   m.def("fp8_decode(Tensor payload, Tensor(a!) out, int codec, float scale) -> ()");
 }

@@ -47,6 +47,14 @@ def test_the_operators_write_what_they_are_given_and_return_nothing():
     assert KERNELS.flatten_into([meta], meta, 1.0) is None
 
 
+def test_only_the_multi_tensor_operators_are_kept_out_of_cuda_graphs():
+    # their CUDA path copies a table from host memory, which a CUDA graph cannot capture
+    for op in (KERNELS.flatten_into, KERNELS.unflatten_from):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags
+    for op in (KERNELS.fp8_encode, KERNELS.fp8_decode):
+        assert torch.Tag.cudagraph_unsafe not in op.default.tags
+
+
 def sync_round_trip(grads, codec):
     """What a compressed gradient exchange does to this rank's gradients, without the exchange: flatten
     and average over 4, encode, decode, write back."""
