@@ -100,6 +100,17 @@ def test_compiled_out_arguments_write_the_callers_tensors():
         assert same_bits(payload, gradsync.compress(flat, "fp8_e5m2"))
 
 
+def test_compiled_calls_resolve_negative_views():
+    # eager refuses them (the kernels would drop the sign); torch.compile hands the kernels plain tensors
+    torch._dynamo.reset()
+    x = torch.randn(300)
+    negative = torch._neg_view(x)
+    compiled = torch.compile(lambda t: (gradsync.flatten([t]), gradsync.compress(t, "fp8_e4m3")),
+                             backend="aot_eager", fullgraph=True)
+    flat, payload = compiled(negative)
+    assert same_bits(flat, -x) and torch.equal(payload, gradsync.compress(-x, "fp8_e4m3"))
+
+
 def test_compiled_calls_keep_the_checks_that_need_no_address():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="unknown codec 'fp4'"):
