@@ -26,26 +26,13 @@ _CODEC_IDS = {name: i for i, name in enumerate(CODECS)}
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-# What the kernels do to shapes, for torch.compile's fake tensors: nothing, as each writes into a
-# tensor it is given.
-@torch.library.register_fake("gradsync::flatten_into")
-def _(tensors, out, scale):
-    pass
+def _writes_only(*args):
+    """What the kernels do to shapes, for torch.compile's fake tensors: nothing, as each writes into
+    tensors it is given and returns nothing."""
 
 
-@torch.library.register_fake("gradsync::unflatten_from")
-def _(flat, tensors, scale):
-    pass
-
-
-@torch.library.register_fake("gradsync::fp8_encode")
-def _(x, payload, codec, scale):
-    pass
-
-
-@torch.library.register_fake("gradsync::fp8_decode")
-def _(payload, out, codec, scale):
-    pass
+for _kernel in ("flatten_into", "unflatten_from", "fp8_encode", "fp8_decode"):
+    torch.library.register_fake(f"gradsync::{_kernel}")(_writes_only)
 
 
 def _compiling():
