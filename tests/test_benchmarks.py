@@ -1,13 +1,16 @@
 """The benchmark scripts run end to end on small cases and write the tables and JSON they promise.
 
-bench_allreduce.py runs in the emulated cluster's tests (test_netem.py); the GPU suite runs these
-scripts again on a GPU, where a script that fails would cost a scarce machine's time.
+bench_allreduce.py runs here on loopback (its arithmetic and errors) and in the emulated cluster's
+tests (test_netem.py); the GPU suite runs these scripts again on a GPU, where a script that fails
+would cost a scarce machine's time.
 """
 import json
 import os
 import signal
 import subprocess
 import sys
+
+import gradsync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -60,3 +63,34 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     for r in report["rows"]:
         assert r["step_ms"] > 0 and r["mode"] in table, r
     assert "overlap timeline" in table
+
+
+def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
+    out = tmp_path / "allreduce.json"
+    table = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                 os.path.join(BENCH, "bench_allreduce.py"), "--min-bytes", "4K", "--max-bytes", "256K", "--step", "8",
+                 "--max-iters", "4", "--json", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["meta"]["ranks"] == 3
+    rows = {(r["bytes"], r["impl"]): r for r in report["rows"]}
+    assert {size for size, _ in rows} == {4096, 32768, 262144}
+    codecs = [f"gradsync {c}" for c in gradsync.CODECS]
+    # the wire bytes per element of each implementation, and its relative error vs fp64 at most
+    expected = {"torch fp32": (4, 2e-7), "torch fp16 hook path": (2, 1e-3), "gradsync none": (4, 2e-7),
+                "gradsync fp16": (2, 1e-3), "gradsync bf16": (2, 5e-3), "gradsync fp8_e4m3": (1 + 4 / 128, 0.05),
+                "gradsync fp8_e5m2": (1 + 4 / 128, 0.1), "gradsync fp16 ring": (2, 1e-3),
+                "gradsync fp16 unchecked": (2, 1e-3)}  # the last two: small buffers, beside the direct exchange
+    assert set(codecs) <= set(expected)
+    for (size, impl), r in rows.items():
+        assert impl in table
+        assert r["count"] == size // 4 and r["time_ms"] > 0
+        assert abs(r["algbw"] - size / (r["time_ms"] * 1e6)) <= 1e-9 * r["algbw"], r
+        assert abs(r["busbw"] - r["algbw"] * 4 / 3) <= 1e-9 * r["busbw"], r  # 2(n-1)/n
+        if impl in expected:
+            wire, bound = expected[impl]
+            assert r["wire_bytes"] == int(r["count"] * wire), r
+            assert 0 < r["error"] <= bound, r  # every sum rounds somewhere
+        if impl != "torch fp32":
+            assert abs(r["speedup"] - rows[(size, "torch fp32")]["time_ms"] / r["time_ms"]) <= 1e-9 * r["speedup"], r
+    assert {impl for _, impl in rows} >= set(expected)
+
