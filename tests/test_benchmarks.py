@@ -31,6 +31,14 @@ def run(args, tmp_path, timeout=180):
     return stdout
 
 
+def run_ranks(ranks, script, args, tmp_path):
+    """A benchmark on `ranks` local processes (torchrun picks a free port): its table and its JSON."""
+    out = tmp_path / "report.json"
+    table = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                 os.path.join(BENCH, script), *args, "--json", str(out)], tmp_path)
+    return table, json.loads(out.read_text())
+
+
 def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
     out = tmp_path / "kernels.json"
     table = run([os.path.join(BENCH, "bench_kernels.py"), "--device", "cpu", "--cases", "resnet50", "buffer-4MB",
@@ -50,11 +58,8 @@ def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
 
 
 def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
-    out = tmp_path / "ddp.json"
-    table = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 os.path.join(BENCH, "bench_ddp.py"), "--params", "2e5", "--layers", "4", "--batch", "4",
-                 "--steps", "2", "--json", str(out)], tmp_path)
-    report = json.loads(out.read_text())
+    table, report = run_ranks(2, "bench_ddp.py", ["--params", "2e5", "--layers", "4", "--batch", "4", "--steps", "2"],
+                              tmp_path)
     modes = {r["mode"] for r in report["rows"]}
     assert {"DDP default (fp32)", "torch fp16 hook", "gradsync fp16 hook", "compute only (no_sync)",
             "communication only (gradsync fp16)"} <= modes
@@ -66,11 +71,8 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
 
 
 def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
-    out = tmp_path / "allreduce.json"
-    table = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                 os.path.join(BENCH, "bench_allreduce.py"), "--min-bytes", "4K", "--max-bytes", "256K", "--step", "8",
-                 "--max-iters", "4", "--json", str(out)], tmp_path)
-    report = json.loads(out.read_text())
+    table, report = run_ranks(3, "bench_allreduce.py", ["--min-bytes", "4K", "--max-bytes", "256K", "--step", "8",
+                                                        "--max-iters", "4"], tmp_path)
     assert report["meta"]["ranks"] == 3
     rows = {(r["bytes"], r["impl"]): r for r in report["rows"]}
     assert {size for size, _ in rows} == {4096, 32768, 262144}
