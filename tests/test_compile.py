@@ -219,3 +219,41 @@ def compiled_ddp_with_a_hook(rank, size):
 
 def test_the_hooks_under_a_compiled_ddp(worlds):
     assert all(worlds(2).run(compiled_ddp_with_a_hook))
+
+
+def compiled_fsdp_blocks(rank, size):
+    """FSDP2 with each block compiled (`block.compile()`, as FSDP2's users do) and gradsync's bf16
+    reduce-scatter: the same parameters as with the blocks uncompiled."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+    from test_reduce_scatter import Mlp
+
+    mesh = init_device_mesh("cpu", (size,))
+    params = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Mlp()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+            if compiled:
+                layer.compile(backend="aot_eager")
+        fully_shard(model, mesh=mesh)
+        assert fsdp.compress_reduce_scatter(model, "bf16") == 3
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(16, 16, generator=g)
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
+            opt.step()
+        params.append(torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]))
+    assert same_bits(*params)
+    return True
+
+
+def test_fsdp2_with_compiled_blocks(worlds):
+    assert all(worlds(2).run(compiled_fsdp_blocks))
