@@ -7,6 +7,8 @@ gradients are written back before ``backward()`` returns.
 import contextlib
 import dataclasses
 import functools
+import os
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .distributed import _check_flag, _issue, _resolve_group
-from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, flatten, unflatten
+from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
 
 __all__ = ["DataParallel"]
 
@@ -213,6 +215,19 @@ class _JoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner):
         self.wrapper._sync_final_model(is_last_joiner)
+
+
+_LIBRARIES = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def _caller_stacklevel():
+    """The stacklevel, for a warning issued by the caller of this function, of the first frame
+    outside gradsync and torch: the user's call (whichever wrappers torch.compile's support put
+    between)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _on_grad(wrapper, param):
@@ -441,14 +456,13 @@ class DataParallel(torch.nn.Module, Joinable):
 
     # Under torch.compile the wrapped module is compiled and the bookkeeping around it runs eagerly,
     # on real tensors (its collectives, and the walk of the output's autograd graph), as with DDP.
-    @torch.compiler.disable(recursive=False)
     def forward(self, *args, **kwargs):
         self._before_forward()
         output = self.module(*args, **kwargs)
         self._after_forward(output)
         return output
 
-    @torch.compiler.disable
+    @_eager_under_compile
     def _before_forward(self):
         self._check_parameters()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
@@ -463,7 +477,7 @@ class DataParallel(torch.nn.Module, Joinable):
         if broadcasts:
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
 
-    @torch.compiler.disable
+    @_eager_under_compile
     def _after_forward(self, output):
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
@@ -471,11 +485,10 @@ class DataParallel(torch.nn.Module, Joinable):
                 self._walk_failed = True
                 if not self._warned_walk:
                     self._warned_walk = True
-                    # the forward's caller: past two torch.compiler.disable frames, forward and Module.__call__'s two
                     warnings.warn(f"gradsync.DataParallel(find_unused_parameters=True): the forward's output "
                                   f"({type(output).__name__}) reaches no trainable parameter (the walk follows "
                                   "tensors, lists, tuples, dicts and dataclasses); in such steps buckets wait for "
-                                  "every parameter", stacklevel=7)
+                                  "every parameter", stacklevel=_caller_stacklevel())
             self._reached = None if self._walk_failed else reached | (self._reached or set())
 
     def _broadcasts_buffers(self):

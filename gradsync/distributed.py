@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec
+from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _eager_under_compile
 
 OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20
@@ -230,7 +230,7 @@ def _attach_nccl(engine, group, device):
 
 # The collectives run eagerly wherever they are called: torch.compile leaves them out of its graphs
 # (a graph break), as it would any call into an extension, without tracing their checks first.
-@torch.compiler.disable
+@_eager_under_compile
 def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
                check_call: bool = True, residual: Optional[torch.Tensor] = None):
@@ -300,7 +300,7 @@ def _slice_bytes(engine, tensor):
     return NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
 
 
-@torch.compiler.disable
+@_eager_under_compile
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                    prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
                    check_call: bool = True, residual: Optional[torch.Tensor] = None):

@@ -5,6 +5,7 @@ CUDA implementation that produce the same bits. None of them is differentiable. 
 operators (``torch.ops.gradsync``), so the functions also run inside ``torch.compile``d code, where
 the checks that need memory addresses (shared memory, alignment) are left to the kernels' own guards.
 """
+import functools
 import math
 import numbers
 from typing import Optional, Sequence
@@ -38,6 +39,18 @@ for _kernel in ("flatten_into", "unflatten_from", "fp8_encode", "fp8_decode"):
 def _compiling():
     """Whether torch.compile is tracing: its fake tensors have shapes but no memory addresses."""
     return torch.compiler.is_compiling()
+
+
+def _eager_under_compile(fn):
+    """``fn`` run eagerly wherever it is called: while torch.compile traces a call, left out of the
+    graph as ``torch.compiler.disable`` leaves it (a graph break); otherwise called directly, so that
+    importing gradsync does not import torch._dynamo (a second) and eager calls cost nothing more."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def _check_tensor(value, name):
