@@ -11,7 +11,7 @@ import gradsync
 from conftest import same_bits
 
 KERNELS = torch.ops.gradsync
-FP8_IDS = {"fp8_e4m3": 3, "fp8_e5m2": 4}
+FP8_IDS = {codec: gradsync.ops._CODEC_IDS[codec] for codec in ("fp8_e4m3", "fp8_e5m2")}  # the operators' codec ids
 
 
 def mixed_list(g):

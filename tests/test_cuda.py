@@ -163,13 +163,13 @@ def test_cuda_bad_input():
 
 
 def test_operators_and_compiled_functions_on_cuda():
-    from test_compile import mixed_list, opcheck, sync_round_trip
+    from test_compile import FP8_IDS, mixed_list, opcheck, sync_round_trip
     g = torch.Generator().manual_seed(15)
     x = torch.randn(300, generator=g).cuda()
     payload = gradsync.compress(x, "fp8_e4m3")
     opcheck(torch.ops.gradsync.flatten_into.default, ([t.cuda() for t in mixed_list(g)], torch.empty(1000, device="cuda"), 0.5))
-    opcheck(torch.ops.gradsync.fp8_encode.default, (x, torch.empty_like(payload), 3, 0.5))
-    opcheck(torch.ops.gradsync.fp8_decode.default, (payload, torch.empty_like(x), 3, 2.0))
+    opcheck(torch.ops.gradsync.fp8_encode.default, (x, torch.empty_like(payload), FP8_IDS["fp8_e4m3"], 0.5))
+    opcheck(torch.ops.gradsync.fp8_decode.default, (payload, torch.empty_like(x), FP8_IDS["fp8_e4m3"], 2.0))
     torch._dynamo.reset()
     compiled = torch.compile(sync_round_trip, backend="aot_eager", fullgraph=True)
     for codec in CODECS:
