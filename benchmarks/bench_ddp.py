@@ -8,7 +8,8 @@ dominated by gradient traffic as in real data parallelism, not by attention kern
 measured interleaved, step by step, in one run. Two extra rows show the overlap: "compute only"
 (backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
 the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
-communication ran while backward computed. With many small layers (``--params 2e6 --layers 500``:
+communication ran while backward computed. The compiled rows run torch.compile(DataParallel(net))
+(backend aot_eager), with its forward split at bucket boundaries, as DDP's is, and in one graph. With many small layers (``--params 2e6 --layers 500``:
 1,000 parameter tensors) the step measures each wrapper's cost per parameter instead.
 """
 import argparse
@@ -74,7 +75,11 @@ def overlap(model, step, timeline):
 
 def wrapped(model, mode):
     if mode.startswith("gradsync.DataParallel fp16"):
-        return gradsync.DataParallel(model, codec="fp16", gradient_as_bucket_view=mode.endswith("bucket views"))
+        model = gradsync.DataParallel(model, codec="fp16", gradient_as_bucket_view=mode.endswith("bucket views"))
+        if "compiled" in mode:
+            torch._dynamo.reset()  # every instance compiles afresh, far from the recompile limit
+            model = torch.compile(model, backend="aot_eager")
+        return model
     ddp = DDP(model)
     hook = {"torch fp16 hook": (None, default_hooks.fp16_compress_hook),
             "gradsync fp16 hook": (None, TIMELINE),
@@ -88,7 +93,16 @@ def wrapped(model, mode):
 
 WIRE = {"DDP default (fp32)": 4, "torch fp16 hook": 2, "gradsync fp16 hook": 2, "gradsync bf16 hook": 2,
         "gradsync fp8 hook": 1 + 4 / 128, "gradsync fp8+EF hook": 1 + 4 / 128, "gradsync.DataParallel fp16": 2,
-        "gradsync.DataParallel fp16, bucket views": 2}
+        "gradsync.DataParallel fp16, bucket views": 2, "gradsync.DataParallel fp16, compiled": 2,
+        "gradsync.DataParallel fp16, compiled, one graph": 2}
+
+
+def compiling(mode):
+    """Where the first step compiles: a compiled DataParallel's forward is split at bucket boundaries
+    (Dynamo's DDPOptimizer), but in the "one graph" mode."""
+    if "compiled" not in mode:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(optimize_ddp=not mode.endswith("one graph"))
 
 
 def main():
@@ -136,7 +150,8 @@ def main():
     for _ in range(passes):
         for mode in WIRE:
             model = wrapped(mlp(device=device)[0], mode)
-            step(model)  # warm-up
+            with compiling(mode):
+                step(model)  # warm-up (and compilation)
             samples[mode] += [timed(lambda: step(model)) for _ in range(max(1, args.steps // passes))]
             if mode == "gradsync fp16 hook":
                 timeline = overlap(model, step, TIMELINE)

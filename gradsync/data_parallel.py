@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import sys
+import types
 import warnings
 import weakref
 from typing import Optional
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import _check_flag, _issue, _resolve_group
 from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
@@ -230,6 +232,15 @@ def _caller_stacklevel():
     return level
 
 
+def _activate_for_dynamo(hint, previous):
+    """Makes ``hint`` what Dynamo's DDPOptimizer reads while the wrapped forward is compiled, as
+    DDP's forward and torch's composable replicate() do. Returns what it replaced: ``previous``
+    where a forward that raised left the hint behind."""
+    active = DistributedDataParallel._active_ddp_module
+    DistributedDataParallel._active_ddp_module = hint
+    return previous if active is hint else active
+
+
 def _on_grad(wrapper, param):
     wrapper = wrapper()
     if wrapper is not None:
@@ -326,9 +337,11 @@ class DataParallel(torch.nn.Module, Joinable):
       the next synchronized backward averages the accumulated gradients. As with DDP, what counts
       is where the forward ran: the backward of a forward made inside ``no_sync()`` communicates
       nothing, wherever it runs.
-    - ``torch.compile(model)`` compiles the wrapped module; this wrapper's bookkeeping runs eagerly
-      around it. The compiled backward delivers its gradients together, so the buckets go out at
-      its end.
+    - ``torch.compile(model)``, or wrapping a compiled module, compiles the wrapped module; this
+      wrapper's bookkeeping runs eagerly around it. As for DDP, Dynamo's DDPOptimizer splits the
+      compiled forward at bucket boundaries (``bucket_cap_mb``, but never below its 1 MiB first
+      bucket), so the compiled backward delivers gradients bucket by bucket and the buckets go out
+      while it runs (``torch._dynamo.config.optimize_ddp = False`` keeps one graph).
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
@@ -372,6 +385,12 @@ class DataParallel(torch.nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = params[0].device
+        # what Dynamo's DDPOptimizer reads to split a compiled forward at bucket boundaries, so that
+        # the compiled backward delivers gradients bucket by bucket; it refuses buckets smaller than its
+        # first (1 MiB)
+        self._dynamo_hint = types.SimpleNamespace(
+            bucket_bytes_cap=max(int(bucket_cap_mb * 2**20), dist._DEFAULT_FIRST_BUCKET_BYTES))
+        self._outer_ddp_module = None  # what the wrapped forward's hint replaced
         self._param_ids = {id(p) for p in module.parameters()}
         self._trainable_ids = {id(p) for p in params}
         # the fast walk, unless the module's class lists its parameters or buffers its own way
@@ -476,9 +495,11 @@ class DataParallel(torch.nn.Module, Joinable):
             self._forward_synced = self._sync
         if broadcasts:
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
+        self._outer_ddp_module = _activate_for_dynamo(self._dynamo_hint, self._outer_ddp_module)
 
     @_eager_under_compile
     def _after_forward(self, output):
+        DistributedDataParallel._active_ddp_module, self._outer_ddp_module = self._outer_ddp_module, None
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
             if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one

@@ -63,7 +63,8 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     modes = {r["mode"] for r in report["rows"]}
     assert {"DDP default (fp32)", "torch fp16 hook", "gradsync fp16 hook", "compute only (no_sync)",
             "communication only (gradsync fp16)"} <= modes
-    assert any("DataParallel" in m for m in modes)
+    assert {"gradsync.DataParallel fp16", "gradsync.DataParallel fp16, compiled",
+            "gradsync.DataParallel fp16, compiled, one graph"} <= modes
     assert report["meta"]["ranks"] == 2 and abs(report["meta"]["params"] - 2e5) < 0.1 * 2e5
     for r in report["rows"]:
         assert r["step_ms"] > 0 and r["mode"] in table, r

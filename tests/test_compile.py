@@ -211,6 +211,72 @@ def test_a_compiled_data_parallel_trains_as_the_uncompiled_one(worlds):
     assert all(worlds(2).run(compiled_data_parallel))
 
 
+def bucket_by_bucket(rank, size):
+    """Dynamo's DDPOptimizer splits a compiled forward under the wrapper at bucket boundaries, as it
+    does DDP's, so that buckets go out while the compiled backward still runs: for
+    torch.compile(DataParallel(net)) and for DataParallel(torch.compile(net)); the same bits as
+    uncompiled."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    events = []
+
+    def backward_compiler(gm, example_inputs):
+        run = make_boxed_func(gm.forward)
+
+        def logged(args):
+            events.append("backward")
+            return run(args)
+        logged._boxed_call = True
+        return logged
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    issue = gradsync.data_parallel._issue
+
+    def logged_issue(*args):
+        events.append("bucket")
+        return issue(*args)
+
+    gradsync.data_parallel._issue = logged_issue
+    states = []
+    try:
+        for how in ("eager", "wrapper compiled", "module compiled"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])  # 2 MiB
+            inner = torch.compile(net, backend=backend) if how == "module compiled" else net
+            model = gradsync.DataParallel(inner, codec="fp16", bucket_cap_mb=1)
+            run = torch.compile(model, backend=backend) if how == "wrapper compiled" else model
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                events.clear()
+                run(torch.randn(8, 256, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if how != "eager":
+                    last_backward = max(i for i, event in enumerate(events) if event == "backward")
+                    assert events.index("bucket") < last_backward, (how, events)
+            states.append([p.detach().clone() for p in net.parameters()])
+    finally:
+        gradsync.data_parallel._issue = issue
+    assert all(same_bits(a, b) for a, b in zip(states[0], states[1])), "wrapper compiled"
+    assert all(same_bits(a, b) for a, b in zip(states[0], states[2])), "module compiled"
+    # the hint Dynamo reads is there during the wrapped forward only, also after one that raised
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    assert DDP._active_ddp_module is None
+    model = gradsync.DataParallel(torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 3))
+    model(torch.randn(2, 4))
+    assert DDP._active_ddp_module is None
+    return True
+
+
+def test_a_compiled_data_parallel_sends_buckets_while_its_backward_runs(worlds):
+    assert all(worlds(2).run(bucket_by_bucket))
+
+
 def compiled_ddp_with_a_hook(rank, size):
     """torch.compile(DDP(net)) with gradsync's fp8 hook and error feedback: DDP's reducer calls the
     hook as it does uncompiled, with the same bits."""
