@@ -12,6 +12,7 @@ import sys
 import types
 import warnings
 import weakref
+import zlib
 from typing import Optional
 
 import torch
@@ -64,10 +65,7 @@ class _Bucket:
         """Parameter j's segment of the buffer in the parameter's own layout where its elements are
         dense (channels_last, say), so that fused optimizers find the layouts they expect."""
         p, segment = self.params[j], self.segment(j, self.buffer)
-        dense, expected = True, 1
-        for stride, size in sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz != 1):
-            dense, expected = dense and stride == expected, expected * size
-        return segment.as_strided(p.shape, p.stride()) if dense and p.numel() else segment.view_as(p)
+        return segment.as_strided(p.shape, p.stride()) if _memory_order(p) is not None else segment.view_as(p)
 
     def view(self, j):
         """Parameter j's view of the buffer, made again if something rebound the last one's data
@@ -103,6 +101,16 @@ class _Bucket:
             mask[unused] = 0.0
             self.mask = (unused, mask.to(flags.device, non_blocking=True))  # pinned: no wait for the backward
         flags.copy_(self.mask[1])
+
+
+def _memory_order(p):
+    """The dimensions of ``p`` from the fastest-varying in memory on, where its elements are dense
+    (the order of its view of a bucket); None for an empty or sparse-strided tensor (row-major)."""
+    dense, expected, order = p.numel() > 0, 1, []
+    for stride, size, dim in sorted((st, sz, d) for d, (st, sz) in enumerate(zip(p.stride(), p.shape)) if sz != 1):
+        dense, expected = dense and stride == expected, expected * size
+        order.append(dim)
+    return tuple(order) if dense else None
 
 
 def _members(module):
@@ -243,8 +251,44 @@ def _activate_for_dynamo(hint, previous):
 
 def _on_grad(wrapper, param):
     wrapper = wrapper()
-    if wrapper is not None:
+    if wrapper is not None and not wrapper._retired:
         wrapper._on_grad(param)
+
+
+_owners = {}  # id of a parameter -> the weak reference of the newest wrapper that averages it
+
+
+def _claim(params, wrapper):
+    """Makes ``wrapper`` the one that averages ``params``; an older wrapper still alive that averaged
+    one of them retires: two sets of hooks would each average (and, with gradient_as_bucket_view, each
+    move) the same gradient."""
+    for p in params:
+        older = _owners.get(id(p))
+        older = older() if older is not None else None
+        if older is not None and older is not wrapper():
+            older._retired = True
+        _owners[id(p)] = wrapper
+
+
+def _release(ids, wrapper):
+    for i in ids:
+        if _owners.get(i) is wrapper:
+            del _owners[i]
+
+
+def _signature(module, settings):
+    """(kind, name, description) of what every rank must have alike: the settings, each parameter's
+    and buffer's shape and dtype, whether it trains, and the element order in memory of a gradient
+    that is a view of its bucket (``gradient_as_bucket_view``)."""
+    entries = [("settings", "", ", ".join(f"{k}={v!r}" for k, v in settings.items()))]
+    for name, p in module.named_parameters():
+        layout = ""
+        if settings["gradient_as_bucket_view"] and p.requires_grad and p.dtype == torch.float32:
+            layout = f", memory order {_memory_order(p)}"
+        entries.append(("parameter", name, f"shape {tuple(p.shape)}, {p.dtype}{layout}, "
+                                           f"requires_grad={p.requires_grad}"))
+    entries += [("buffer", name, f"shape {tuple(b.shape)}, {b.dtype}") for name, b in module.named_buffers()]
+    return entries
 
 
 def _remove_hooks(handles):
@@ -268,8 +312,11 @@ def _apart(tensors):
 class DataParallel(torch.nn.Module, Joinable):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
-    - At construction, parameters and buffers are broadcast from the group's rank 0, so every
-      replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
+    - At construction every rank must wrap the same model (parameters' and buffers' shapes and
+      dtypes, which parameters train) with the same settings (``codec``, ``bucket_cap_mb``,
+      ``broadcast_buffers``, ``gradient_as_bucket_view``); a ValueError names what differs, as
+      DDP's check of shapes does. Then parameters and buffers are broadcast from the group's rank
+      0, so every replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
       before every training-mode forward but those that follow a forward made inside
       ``no_sync()`` (once per accumulated step), as DDP does.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
@@ -285,8 +332,8 @@ class DataParallel(torch.nn.Module, Joinable):
       into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,
       is copied in once as it arrives), in the parameter's own layout where its elements are dense
       (channels_last). Buckets that hold a float16 or bfloat16 parameter keep the copies. Every
-      rank must pass the same (the two ways order a channels_last gradient's elements
-      differently). Gradients are then written while their bucket's call runs: after a backward
+      rank must pass the same, and its float32 parameters must have the same memory order on every
+      rank (checked at construction: channels_last on one rank alone would mix elements). Gradients are then written while their bucket's call runs: after a backward
       that raised, the next forward waits for that step's calls and zeroes the gradients of the
       buckets that had gone out (their calls wrote into them, and so may the caller have).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
@@ -350,6 +397,9 @@ class DataParallel(torch.nn.Module, Joinable):
       trains alone); once it is gone, the module trains alone or can be wrapped again. A wrapper
       caught in a reference cycle goes when the cycle collector runs, at its own time on each rank:
       break the cycle, or call ``gc.collect()`` on every rank, before wrapping the module again.
+      A module wrapped again while its older wrapper lives (``model = DataParallel(net)`` run
+      twice) is averaged by the newer wrapper only: the older one's hooks stop and its forward
+      raises.
     """
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
@@ -400,6 +450,8 @@ class DataParallel(torch.nn.Module, Joinable):
         self._forward_synced = True  # what the last forward found: its backward communicates
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
+        self._check_replicas(dict(codec=codec, bucket_cap_mb=float(bucket_cap_mb), broadcast_buffers=broadcast_buffers,
+                                  gradient_as_bucket_view=gradient_as_bucket_view))
         self._broadcast(list(module.parameters()) + list(module.buffers()))
 
         self._buckets, self._bucket_of, self._index_of = [], {}, {}
@@ -435,9 +487,30 @@ class DataParallel(torch.nn.Module, Joinable):
         self._shadow = None  # a joined rank's zero buckets
         # the hooks hold the wrapper weakly and go with it, as DDP's do: a module wrapped again, or
         # used bare once its wrapper is gone, is not averaged by a forgotten wrapper too
-        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
-                   for p in params]
+        self._retired = False  # a newer wrapper averages this one's parameters
+        ref = weakref.ref(self)
+        _claim(params, ref)
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
         weakref.finalize(self, _remove_hooks, handles)
+        weakref.finalize(self, _release, [id(p) for p in params], ref)
+
+    def _check_replicas(self, settings):
+        """Every rank must wrap the same model with the same settings: one small all-reduce of a
+        checksum per entry, before anything is broadcast (a broadcast of flattened tensors would not
+        notice two shapes of one size)."""
+        entries = _signature(self.module, settings)
+        # names stay out of the sums: a rank whose module was compiled names its parameters "_orig_mod.*"
+        sums = torch.tensor([zlib.crc32(f"{kind}: {what}".encode()) for kind, _, what in entries], dtype=torch.int64)
+        extremes = torch.cat([sums, -sums]).to(self._device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
+        highest, lowest = extremes.cpu().view(2, -1)
+        differ = (highest != -lowest).nonzero().flatten().tolist()
+        if differ:
+            kind, name, what = entries[differ[0]]
+            name = "the wrapper's settings" if kind == "settings" else f"{kind} {name!r}"
+            raise ValueError(f"gradsync.DataParallel: the ranks wrap different models: {name} differs across ranks "
+                             f"(here: {what}){f', and {len(differ) - 1} more' if len(differ) > 1 else ''}. Every rank "
+                             "must build the same model, in the same memory format, with the same settings")
 
     def _add_bucket(self, params, error_feedback):
         bucket = _Bucket(params, self._device, error_feedback, self.gradient_as_bucket_view)
@@ -518,6 +591,9 @@ class DataParallel(torch.nn.Module, Joinable):
                 and bool(self._buffers_seen))
 
     def _check_parameters(self):
+        if self._retired:
+            raise RuntimeError("gradsync.DataParallel: the module was wrapped again, and the newer wrapper averages its "
+                               "gradients; train through that one")
         params, self._buffers_seen = _members(self.module) if self._walk_members else \
             (list(self.module.parameters()), list(self.module.buffers()))
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \

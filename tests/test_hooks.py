@@ -794,6 +794,78 @@ def test_a_wrapper_that_is_gone_leaves_no_hooks(worlds):
     assert len(set(results)) == 1  # one average, every rank
 
 
+class Grid(torch.nn.Module):
+    def __init__(self, shape, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype))
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return self.conv(x).mean() * self.weight.float().sum()
+
+
+def different_models(rank, size):
+    """Ranks whose models or settings differ raise at wrapping, naming what differs, before any
+    broadcast could pour one rank's values into another's shapes."""
+    cases = {
+        "shape": (Grid((4, 6) if rank == 0 else (6, 4)), {}),
+        "dtype": (Grid((4, 6), torch.float32 if rank == 0 else torch.bfloat16), {}),
+        "memory order": (Grid((4, 6)).to(memory_format=torch.channels_last) if rank else Grid((4, 6)),
+                         {"gradient_as_bucket_view": True}),
+        "codec": (Grid((4, 6)), {"codec": "fp16" if rank == 0 else "bf16"}),
+        "bucket size": (Grid((4, 6)), {"bucket_cap_mb": 1 + rank}),
+    }
+    messages = {}
+    for case, (net, options) in cases.items():
+        with pytest.raises(ValueError) as error:
+            gradsync.DataParallel(net, **options)
+        messages[case] = str(error.value)
+    # a memory order the gradients' copies do not depend on is no difference
+    net = Grid((4, 6)).to(memory_format=torch.channels_last) if rank else Grid((4, 6))
+    model = gradsync.DataParallel(net, codec="none")
+    model(torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(rank))).backward()
+    return messages, digest(torch.cat([p.grad.flatten() for p in net.parameters()]))
+
+
+def test_data_parallel_refuses_ranks_that_wrap_different_models(worlds):
+    results = worlds(2).run(different_models)
+    for messages, _ in results:
+        for case in ("shape", "dtype", "memory order"):
+            assert "the ranks wrap different models: parameter 'weight' differs" in messages[case] or \
+                "parameter 'conv.weight' differs" in messages[case], (case, messages[case])
+        assert "the wrapper's settings differ" in messages["codec"] and "codec=" in messages["codec"]
+        assert "the wrapper's settings differ" in messages["bucket size"]
+    assert results[0][1] == results[1][1]
+
+
+def wrapped_twice(rank, size):
+    """A module wrapped again while the older wrapper lives (``model = DataParallel(net)`` in a loop):
+    the newer one averages, the older one's hooks stop, and its forward raises."""
+    grads = []
+    for twice in (False, True):
+        net = make_net()
+        older = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+        model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True) \
+            if twice else older
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = batch(rank, step)
+            F.mse_loss(model(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+            opt.step()
+            opt.zero_grad()
+        if twice:
+            with pytest.raises(RuntimeError, match="the module was wrapped again"):
+                older(x)
+    once, again = grads[:3], grads[3:]
+    return all(torch.equal(a, b) for a, b in zip(once, again))
+
+
+def test_a_module_wrapped_again_is_averaged_by_the_newer_wrapper_only(worlds):
+    assert all(worlds(2).run(wrapped_twice))
+
+
 class Fails(torch.autograd.Function):
     """Identity whose backward raises, as an out-of-memory error or a user hook would."""
 
