@@ -40,6 +40,7 @@ of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a fe
 
 _engines = {}
 _engines_lock = threading.Lock()
+_attach_lock = threading.Lock()
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 
 
@@ -192,8 +193,10 @@ def _engine(group, tensor):
             engine = _engines[group] = _C.RingEngine(group)
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0:
-            _attach_nccl(engine, group, tensor.device)
-        elif engine.nccl_device != tensor.device.index:
+            with _attach_lock:  # one communicator per group, even when two threads make its first CUDA call at once
+                if engine.nccl_device < 0:
+                    _attach_nccl(engine, group, tensor.device)
+        if engine.nccl_device != tensor.device.index:
             raise ValueError(f"tensor is on {tensor.device}, but this rank's gradsync NCCL communicator for the group "
                              f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
     return engine
@@ -273,6 +276,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
 def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
     """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
     any factor (gradsync.DataParallel averages over the ranks still training under ``join()``)."""
+    _check_not_capturing(tensor, "all_reduce")
     engine = _engine(group, tensor)
     work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
                              _slice_bytes(engine, tensor), residual, DIRECT_BYTES)
@@ -288,6 +292,16 @@ def _check_tensor(t, name, caller):
         raise ValueError(f"{name} must be contiguous")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; gradsync.{caller} takes CPU or CUDA tensors")
+
+
+def _check_not_capturing(t, caller):
+    """The ring runs on gradsync's own thread and streams, which a CUDA graph captured on the caller's
+    stream cannot hold: refused before anything is queued (peers that were not capturing then time out)."""
+    if t.is_cuda:
+        with torch.cuda.device(t.device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"gradsync.{caller} cannot be captured in a CUDA graph (the ring runs on gradsync's "
+                                   "own thread and streams); call it outside the capture")
 
 
 def _check_backend(t, name, group):
@@ -337,6 +351,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
                          f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
     _check_backend(input, "input", group)
     prescale, postscale = resolve_scales(op, n, prescale, postscale)
+    _check_not_capturing(input, "reduce_scatter")
     engine = _engine(group, input)
     work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
                                  _slice_bytes(engine, input), residual)

@@ -833,6 +833,15 @@ def nccl_world_of_one(rank, size):
     gradsync.all_reduce(x.cuda(), codec="fp8_e4m3", residual=residual)
     same["feedback"] = bool(residual.abs().max() > 0)
     same["nccl"] = gradsync.distributed._engines[group].nccl_device == 0
+    y = torch.randn(64, device="cuda")
+    try:  # refused before anything is queued; the capture itself ends cleanly (empty)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            gradsync.all_reduce(y, codec="fp16")
+        same["capture refused"] = False
+    except RuntimeError as error:
+        same["capture refused"] = "cannot be captured in a CUDA graph" in str(error)
+    gradsync.all_reduce(y, codec="fp16")  # the group still works
+    same["after the capture"] = bool(torch.isfinite(y).all())
     return same
 
 
