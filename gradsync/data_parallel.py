@@ -5,6 +5,7 @@ gradsync's ring as soon as its last gradient arrives, while backward goes on, an
 gradients are written back before ``backward()`` returns.
 """
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -309,6 +310,19 @@ def _apart(tensors):
             [t for i, t in enumerate(tensors) if i in shared])
 
 
+_copying = contextvars.ContextVar("copying", default=False)
+
+
+def _copy_of(module, settings, training):
+    """A DataParallel rebuilt from a copy (see DataParallel.__reduce_ex__)."""
+    token = _copying.set(True)
+    try:
+        wrapper = DataParallel(module, **settings)
+    finally:
+        _copying.reset(token)
+    return wrapper.train(training)
+
+
 class DataParallel(torch.nn.Module, Joinable):
     """Wraps ``module`` for data-parallel training over ``process_group`` (None: the default group).
 
@@ -392,7 +406,10 @@ class DataParallel(torch.nn.Module, Joinable):
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
-      so a model loaded from a checkpoint restarts them from zeros. Its gradient hooks go with it, as
+      so a model loaded from a checkpoint restarts them from zeros. As DDP, it can be copied
+      (``copy.deepcopy``, an ``AveragedModel``, ``torch.save(model)``) when it runs on the default
+      group: the copy wraps a copy of the module with the same settings, without a collective, and
+      its residuals start from zeros. Its gradient hooks go with it, as
       DDP's go with its reducer: keep the wrapper while it trains (``net = DataParallel(net).module``
       trains alone); once it is gone, the module trains alone or can be wrapped again. A wrapper
       caught in a reference cycle goes when the cycle collector runs, at its own time on each rank:
@@ -450,9 +467,12 @@ class DataParallel(torch.nn.Module, Joinable):
         self._forward_synced = True  # what the last forward found: its backward communicates
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
-        self._check_replicas(dict(codec=codec, bucket_cap_mb=float(bucket_cap_mb), broadcast_buffers=broadcast_buffers,
-                                  gradient_as_bucket_view=gradient_as_bucket_view))
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        self._bucket_cap_mb, self._error_feedback = bucket_cap_mb, error_feedback  # for copies
+        if not _copying.get():  # a copy is made on one rank, of a replica that was checked and broadcast
+            self._check_replicas(dict(codec=codec, bucket_cap_mb=float(bucket_cap_mb),
+                                      broadcast_buffers=broadcast_buffers,
+                                      gradient_as_bucket_view=gradient_as_bucket_view))
+            self._broadcast(list(module.parameters()) + list(module.buffers()))
 
         self._buckets, self._bucket_of, self._index_of = [], {}, {}
         cap = max(1, int(bucket_cap_mb * 2**20))
@@ -493,6 +513,18 @@ class DataParallel(torch.nn.Module, Joinable):
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
+
+    def __reduce_ex__(self, protocol):
+        """Copies (``copy.deepcopy``, an EMA of the model, ``torch.save(model)``) wrap a copy of the
+        module anew, as DDP's do: same settings, the default group, no collective; residuals
+        restart from zeros, and hooks registered on the wrapper itself are not copied."""
+        if self.process_group is not dist.distributed_c10d._get_default_group():
+            raise TypeError("gradsync.DataParallel over a group other than the default one cannot be copied or "
+                            "saved (a process group cannot be); copy or save model.module and wrap it again")
+        settings = dict(codec=self.codec, bucket_cap_mb=self._bucket_cap_mb, error_feedback=self._error_feedback,
+                        broadcast_buffers=self.broadcast_buffers, find_unused_parameters=self.find_unused_parameters,
+                        gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return _copy_of, (self.module, settings, self.training)
 
     def _check_replicas(self, settings):
         """Every rank must wrap the same model with the same settings: one small all-reduce of a

@@ -1,5 +1,6 @@
 """gradsync's DDP hooks and gradsync.DataParallel training real models on gloo ranks, against fp32 DDP."""
 import contextlib
+import copy
 import gc
 import hashlib
 import io
@@ -864,6 +865,41 @@ def wrapped_twice(rank, size):
 
 def test_a_module_wrapped_again_is_averaged_by_the_newer_wrapper_only(worlds):
     assert all(worlds(2).run(wrapped_twice))
+
+
+def copies(rank, size):
+    """copy.deepcopy, torch.save/torch.load and AveragedModel of a DataParallel, as of a DDP: the copy
+    wraps a copy of the module with the same settings and trains as the original does."""
+    net = make_net()
+    model = gradsync.DataParallel(net, codec="bf16", bucket_cap_mb=BUCKET_MB, error_feedback=True,
+                                  gradient_as_bucket_view=True)
+    x, y = batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    averaged.update_parameters(model)
+    for bucket in model._buckets:  # the copies' residuals start from zeros
+        bucket.residual.zero_()
+    out = []
+    for replica in [model] + copies:
+        assert isinstance(replica, gradsync.DataParallel) and replica.codec == "bf16"
+        assert replica.buckets and all(b.residual is not None and b.views is not None for b in replica._buckets)
+        assert replica is model or not any(p is q for p, q in zip(replica.parameters(), net.parameters()))
+        replica.zero_grad()
+        x, y = batch(rank, 1)
+        F.mse_loss(replica(x), y).backward()
+        out.append(torch.cat([p.grad.flatten() for p in replica.parameters()]))
+    with pytest.raises(TypeError, match="other than the default one cannot be copied"):
+        copy.deepcopy(gradsync.DataParallel(make_net(), process_group=dist.new_group(list(range(size)))))
+    return [digest(g) for g in out]
+
+
+def test_data_parallel_copies_wrap_a_copy_of_the_module(worlds):
+    for digests in worlds(2).run(copies):
+        assert len(set(digests)) == 1  # the copies average as the original does
 
 
 class Fails(torch.autograd.Function):
