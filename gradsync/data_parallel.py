@@ -335,12 +335,17 @@ class DataParallel(torch.nn.Module, Joinable):
       ``no_sync()`` (once per accumulated step), as DDP does.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
-      backward produces them; the first bucket is 1 MiB so that communication starts early). Each
+      backward usually produces them; the first bucket is 1 MiB so that communication starts
+      early). After the first synchronized step they are rebuilt once, as DDP's are, in the order
+      in which that step's gradients arrived on rank 0 (parameters that got none last), so that
+      layers registered in another order than they run in overlap too: one broadcast of that
+      order, and gradients and residuals move with their parameters. Each
       bucket is packed by one fused flatten kernel and all-reduced by gradsync's ring on the wire
       ``codec``, with fp32 sums at every hop, as soon as its last gradient has been accumulated;
       buckets are issued in the same order on every rank.
-      The first synchronized step verifies that every rank has the same buckets and codec; later
-      steps skip that check (a hop of latency per bucket, n-1 hops beyond 8 ranks).
+      The first synchronized step with each set of buckets verifies that every rank has the same
+      buckets and codec; later steps skip that check (a hop of latency per bucket, n-1 hops
+      beyond 8 ranks).
     - ``gradient_as_bucket_view``: as DDP's, the ``.grad`` of each float32 parameter becomes a view
       of its bucket, so that gradients take no memory beside the buckets and are neither copied
       into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,
@@ -474,21 +479,9 @@ class DataParallel(torch.nn.Module, Joinable):
                                       gradient_as_bucket_view=gradient_as_bucket_view))
             self._broadcast(list(module.parameters()) + list(module.buffers()))
 
-        self._buckets, self._bucket_of, self._index_of = [], {}, {}
-        cap = max(1, int(bucket_cap_mb * 2**20))
-        limit, current, size = min(cap, _FIRST_BUCKET_BYTES), [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += 4 * p.numel()
-            if size >= limit:
-                self._add_bucket(current, error_feedback)
-                current, size, limit = [], 0, cap
-        if current:
-            self._add_bucket(current, error_feedback)
-        for bucket in self._buckets:
-            for j, p in enumerate(bucket.params):
-                if bucket.views is not None and p.grad is not None:
-                    bucket.adopt(j)
+        self._make_buckets(list(reversed(params)), error_feedback)
+        self._rebuilt = False  # whether the buckets follow the order of a synchronized step's gradients
+        self._arrival = []  # ids of the parameters in the order their gradients arrived, until then
         self._next = 0  # the next bucket to issue, in order
         self._arrived = set()  # ids of the parameters whose gradient has arrived in this step
         self._used = set()  # ... or in a backward inside no_sync() since the last synchronized step
@@ -543,6 +536,50 @@ class DataParallel(torch.nn.Module, Joinable):
             raise ValueError(f"gradsync.DataParallel: the ranks wrap different models: {name} differs across ranks "
                              f"(here: {what}){f', and {len(differ) - 1} more' if len(differ) > 1 else ''}. Every rank "
                              "must build the same model, in the same memory format, with the same settings")
+
+    def _make_buckets(self, params, error_feedback, residuals=None):
+        """Buckets of ``params`` in this order (the first of at most 1 MiB), each gradient that is a
+        bucket's view moved into it, and each residual given (parameter id -> its segment) copied."""
+        self._buckets, self._bucket_of, self._index_of = [], {}, {}
+        cap = max(1, int(self._bucket_cap_mb * 2**20))
+        limit, current, size = min(cap, _FIRST_BUCKET_BYTES), [], 0
+        for p in params:
+            current.append(p)
+            size += 4 * p.numel()
+            if size >= limit:
+                self._add_bucket(current, error_feedback)
+                current, size, limit = [], 0, cap
+        if current:
+            self._add_bucket(current, error_feedback)
+        for bucket in self._buckets:
+            for j, p in enumerate(bucket.params):
+                if residuals is not None:
+                    bucket.segment(j, bucket.residual).copy_(residuals[id(p)])
+                if bucket.views is not None and p.grad is not None:
+                    bucket.adopt(j)
+
+    def _rebuild_buckets(self):
+        """Once, after the first synchronized step, as DDP does: the buckets in the order in which
+        rank 0's gradients arrived (the parameters that got none after them, in the old order), so
+        that a model whose layers run in another order than they were registered in overlaps too.
+        One broadcast of that order; gradients and residuals move with their parameters."""
+        self._rebuilt = True
+        params = [p for b in self._buckets for p in b.params]
+        position = {id(p): i for i, p in enumerate(params)}
+        arrived = list(dict.fromkeys(position[i] for i in self._arrival if i in position))
+        self._arrival = []
+        order = torch.tensor(arrived + sorted(set(range(len(params))) - set(arrived)), device=self._device)
+        dist.broadcast(order, src=self._root, group=self.process_group)
+        order = order.tolist()
+        if order == list(range(len(params))):
+            return
+        error_feedback = self._buckets[0].residual is not None
+        with torch.no_grad():
+            residuals = {id(p): b.segment(j, b.residual) for b in self._buckets for j, p in enumerate(b.params)} \
+                if error_feedback else None
+            self._make_buckets([params[i] for i in order], error_feedback, residuals)
+        self._shadow = None
+        self._checked = False  # the new buckets are checked once, as the first ones were
 
     def _add_bucket(self, params, error_feedback):
         bucket = _Bucket(params, self._device, error_feedback, self.gradient_as_bucket_view)
@@ -729,6 +766,7 @@ class DataParallel(torch.nn.Module, Joinable):
             zeros = self._shadow[:bucket.buffer.numel()].zero_()
             _issue(zeros, self.codec, self.process_group, 1.0 / ranks, 1.0, not self._checked, None).wait()
         self._checked = True
+        self._rebuilt, self._arrival = True, []  # as the others, who keep their buckets in a shadowed step
 
     def _sync_final_model(self, is_last_joiner):
         group = self.process_group
@@ -770,6 +808,8 @@ class DataParallel(torch.nn.Module, Joinable):
                 "inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
                 "find_unused_parameters=False")
         self._arrived.add(id(param))
+        if not self._rebuilt:
+            self._arrival.append(id(param))
         bucket.ready += 1
         self._issue(force=False)
 
@@ -810,6 +850,7 @@ class DataParallel(torch.nn.Module, Joinable):
                         bucket.buffer.zero_()
                     self._arrived -= {id(p) for p in bucket.params}
         self._abandoned |= self._arrived
+        self._arrival = []  # the order of a step that did not reach its end
         self._reset()
 
     def _reset(self):
@@ -893,6 +934,11 @@ class DataParallel(torch.nn.Module, Joinable):
         self._used.clear()
         self._abandoned.clear()
         self._reset()
+        if not self._rebuilt:
+            if self._shadowed:  # a rank has joined, and would not know to take part: keep these buckets
+                self._rebuilt, self._arrival = True, []
+            else:
+                self._rebuild_buckets()
 
     @torch.no_grad()
     def _write_back(self, bucket, unused_everywhere):

@@ -245,7 +245,10 @@ def bucket_by_bucket(rank, size):
             torch.manual_seed(0)
             net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])  # 2 MiB
             inner = torch.compile(net, backend=backend) if how == "module compiled" else net
-            model = gradsync.DataParallel(inner, codec="fp16", bucket_cap_mb=1)
+            # fp32 on the wire: the compiled backward delivers gradients in another order, which the
+            # buckets follow from the second step on, and a 16-bit wire rounds by position (which rank
+            # owns an element's chunk)
+            model = gradsync.DataParallel(inner, codec="none", bucket_cap_mb=1)
             run = torch.compile(model, backend=backend) if how == "wrapper compiled" else model
             opt = torch.optim.SGD(net.parameters(), lr=0.1)
             g = torch.Generator().manual_seed(rank)
