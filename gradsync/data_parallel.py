@@ -330,8 +330,8 @@ class DataParallel(torch.nn.Module, Joinable):
       dtypes, which parameters train) with the same settings (``codec``, ``bucket_cap_mb``,
       ``broadcast_buffers``, ``gradient_as_bucket_view``); a ValueError names what differs, as
       DDP's check of shapes does. Then parameters and buffers are broadcast from the group's rank
-      0, so every replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast again
-      before every training-mode forward but those that follow a forward made inside
+      0, so every replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast
+      again before every training-mode forward but those that follow a forward made inside
       ``no_sync()`` (once per accumulated step), as DDP does.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
@@ -352,9 +352,10 @@ class DataParallel(torch.nn.Module, Joinable):
       is copied in once as it arrives), in the parameter's own layout where its elements are dense
       (channels_last). Buckets that hold a float16 or bfloat16 parameter keep the copies. Every
       rank must pass the same, and its float32 parameters must have the same memory order on every
-      rank (checked at construction: channels_last on one rank alone would mix elements). Gradients are then written while their bucket's call runs: after a backward
-      that raised, the next forward waits for that step's calls and zeroes the gradients of the
-      buckets that had gone out (their calls wrote into them, and so may the caller have).
+      rank (checked at construction: channels_last on one rank alone would mix elements).
+      Gradients are then written while their bucket's call runs: after a backward that raised,
+      the next forward waits for that step's calls and zeroes the gradients of the buckets that
+      had gone out (their calls wrote into them, and so may the caller have).
     - ``error_feedback``: each bucket keeps the fp32 residual of its compression error and adds
       it to the next step's gradients (see :func:`gradsync.all_reduce`).
     - A parameter that gets no gradient on this rank in a step contributes zeros (or the
@@ -365,7 +366,8 @@ class DataParallel(torch.nn.Module, Joinable):
       name, which changes only when buckets go out): each bucket carries a used flag per
       parameter, so this costs no extra communication. Left at
       that, a bucket holding a parameter this rank does not use goes out at the end of backward
-      (and the buckets after it with it). ``find_unused_parameters=True`` makes each
+      (and the buckets after it with it; the rebuild puts the parameters the first step left
+      unused in the last bucket). ``find_unused_parameters=True`` makes each
       synchronized forward walk the autograd graph of its output, as DDP does, so that a
       parameter the graph does not reach no longer holds its bucket back, and communication
       overlaps backward in steps that leave parameters unused (branches, experts); the walk
