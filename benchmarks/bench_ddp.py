@@ -31,7 +31,7 @@ import common  # noqa: E402
 import gradsync  # noqa: E402
 from gradsync import hooks  # noqa: E402
 
-COLUMNS = [("mode", "mode", 41, str), ("step(ms)", "step_ms", 10, common.fixed(1)),
+COLUMNS = [("mode", "mode", 48, str), ("step(ms)", "step_ms", 10, common.fixed(1)),
            ("wire/step", "wire_bytes", 11, common.format_bytes), ("vs DDP", "speedup", 8, common.ratio),
            ("vs torch fp16", "vs_torch_fp16", 14, common.ratio)]
 
