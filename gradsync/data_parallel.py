@@ -260,15 +260,24 @@ _owners = {}  # id of a parameter -> the weak reference of the newest wrapper th
 
 
 def _claim(params, wrapper):
-    """Makes ``wrapper`` the one that averages ``params``; an older wrapper still alive that averaged
-    one of them retires: two sets of hooks would each average (and, with gradient_as_bucket_view, each
-    move) the same gradient."""
+    """Makes ``wrapper`` the one that averages ``params``. An older wrapper still alive whose
+    parameters it all takes over (its module wrapped again) retires: two sets of hooks would each
+    average (and, with gradient_as_bucket_view, each move) the same gradients. One that only shares
+    some (a tied parameter), or that runs inside the new wrapper's module, keeps its hooks."""
+    new = wrapper()
+    ids = {id(p) for p in params}
+    inside = {id(m) for m in new.module.modules()}
     for p in params:
         older = _owners.get(id(p))
         older = older() if older is not None else None
-        if older is not None and older is not wrapper():
+        if older is not None and older is not new and id(older) not in inside and older._trainable_ids <= ids:
             older._retired = True
         _owners[id(p)] = wrapper
+
+
+def _drop_hint(hint):
+    if DistributedDataParallel._active_ddp_module is hint:
+        DistributedDataParallel._active_ddp_module = None
 
 
 def _release(ids, wrapper):
@@ -320,7 +329,8 @@ def _copy_of(module, settings, training):
         wrapper = DataParallel(module, **settings)
     finally:
         _copying.reset(token)
-    return wrapper.train(training)
+    wrapper.training = training  # the module's own modes came with its copy (a frozen BatchNorm's included)
+    return wrapper
 
 
 class DataParallel(torch.nn.Module, Joinable):
@@ -367,7 +377,7 @@ class DataParallel(torch.nn.Module, Joinable):
       parameter, so this costs no extra communication. Left at
       that, a bucket holding a parameter this rank does not use goes out at the end of backward
       (and the buckets after it with it; the rebuild puts the parameters the first step left
-      unused in the last bucket). ``find_unused_parameters=True`` makes each
+      unused in the last buckets). ``find_unused_parameters=True`` makes each
       synchronized forward walk the autograd graph of its output, as DDP does, so that a
       parameter the graph does not reach no longer holds its bucket back, and communication
       overlaps backward in steps that leave parameters unused (branches, experts); the walk
@@ -423,7 +433,8 @@ class DataParallel(torch.nn.Module, Joinable):
       break the cycle, or call ``gc.collect()`` on every rank, before wrapping the module again.
       A module wrapped again while its older wrapper lives (``model = DataParallel(net)`` run
       twice) is averaged by the newer wrapper only: the older one's hooks stop and its forward
-      raises.
+      raises. A wrapper that only shares a tied parameter with a newer one, or runs inside it,
+      keeps its hooks, as two DDPs would. ``copy.copy`` raises (use ``copy.deepcopy``).
     """
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
@@ -508,6 +519,7 @@ class DataParallel(torch.nn.Module, Joinable):
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
+        weakref.finalize(self, _drop_hint, self._dynamo_hint)  # left behind by a compiled forward that raised
 
     def __reduce_ex__(self, protocol):
         """Copies (``copy.deepcopy``, an EMA of the model, ``torch.save(model)``) wrap a copy of the
@@ -521,23 +533,39 @@ class DataParallel(torch.nn.Module, Joinable):
                         gradient_as_bucket_view=self.gradient_as_bucket_view)
         return _copy_of, (self.module, settings, self.training)
 
+    def __copy__(self):
+        raise TypeError("copy.copy of a gradsync.DataParallel would wrap the same module a second time; use "
+                        "copy.deepcopy (a copy of the module, wrapped anew)")
+
     def _check_replicas(self, settings):
         """Every rank must wrap the same model with the same settings: one small all-reduce of a
         checksum per entry, before anything is broadcast (a broadcast of flattened tensors would not
         notice two shapes of one size)."""
         entries = _signature(self.module, settings)
+        counts = [sum(1 for kind, _, _ in entries if kind == k) for k in ("parameter", "buffer")]
+        highest, lowest = self._extremes(counts)  # the sums' lengths first: one all-reduce must match in size
+        for k, kind in enumerate(("parameters", "buffers")):
+            if highest[k] != lowest[k]:
+                raise ValueError(f"gradsync.DataParallel: the ranks wrap different models: the number of {kind} "
+                                 f"differs across ranks (here {counts[k]}; between {lowest[k]} and {highest[k]}). "
+                                 "Every rank must build the same model")
         # names stay out of the sums: a rank whose module was compiled names its parameters "_orig_mod.*"
-        sums = torch.tensor([zlib.crc32(f"{kind}: {what}".encode()) for kind, _, what in entries], dtype=torch.int64)
-        extremes = torch.cat([sums, -sums]).to(self._device)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
-        highest, lowest = extremes.cpu().view(2, -1)
-        differ = (highest != -lowest).nonzero().flatten().tolist()
+        highest, lowest = self._extremes([zlib.crc32(f"{kind}: {what}".encode()) for kind, _, what in entries])
+        differ = [i for i, (a, b) in enumerate(zip(highest, lowest)) if a != b]
         if differ:
             kind, name, what = entries[differ[0]]
             name = "the wrapper's settings" if kind == "settings" else f"{kind} {name!r}"
             raise ValueError(f"gradsync.DataParallel: the ranks wrap different models: {name} differs across ranks "
                              f"(here: {what}){f', and {len(differ) - 1} more' if len(differ) > 1 else ''}. Every rank "
                              "must build the same model, in the same memory format, with the same settings")
+
+    def _extremes(self, values):
+        """(the highest, the lowest) of each of these integers across the group: one all-reduce."""
+        values = torch.tensor(values, dtype=torch.int64)
+        extremes = torch.cat([values, -values]).to(self._device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
+        highest, negated_lowest = extremes.cpu().view(2, -1).tolist()
+        return highest, [-v for v in negated_lowest]
 
     def _make_buckets(self, params, error_feedback, residuals=None):
         """Buckets of ``params`` in this order (the first of at most 1 MiB), each gradient that is a
@@ -576,10 +604,14 @@ class DataParallel(torch.nn.Module, Joinable):
         if order == list(range(len(params))):
             return
         error_feedback = self._buckets[0].residual is not None
+        old_buffers = [b.buffer for b in self._buckets if b.views is not None]
         with torch.no_grad():
             residuals = {id(p): b.segment(j, b.residual) for b in self._buckets for j, p in enumerate(b.params)} \
                 if error_feedback else None
             self._make_buckets([params[i] for i in order], error_feedback, residuals)
+            for p in params:  # a view of an old bucket whose new one keeps copies: its own memory, not the old bucket's
+                if p.grad is not None and any(p.grad._base is buffer for buffer in old_buffers):
+                    p.grad = p.grad.clone()
         self._shadow = None
         self._checked = False  # the new buckets are checked once, as the first ones were
 
@@ -621,9 +653,16 @@ class DataParallel(torch.nn.Module, Joinable):
     # on real tensors (its collectives, and the walk of the output's autograd graph), as with DDP.
     def forward(self, *args, **kwargs):
         self._before_forward()
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            self._forward_raised()
+            raise
         self._after_forward(output)
         return output
+
+    def _forward_raised(self):
+        DistributedDataParallel._active_ddp_module, self._outer_ddp_module = self._outer_ddp_module, None
 
     @_eager_under_compile
     def _before_forward(self):

@@ -40,7 +40,7 @@ of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a fe
 
 _engines = {}
 _engines_lock = threading.Lock()
-_attach_lock = threading.Lock()
+_attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 
 
@@ -193,7 +193,11 @@ def _engine(group, tensor):
             engine = _engines[group] = _C.RingEngine(group)
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0:
-            with _attach_lock:  # one communicator per group, even when two threads make its first CUDA call at once
+            # one communicator per group, even when two threads make its first CUDA call at once; a lock
+            # per group, since the bootstrap is a collective that other groups' must not wait for
+            with _engines_lock:
+                attach_lock = _attach_locks.setdefault(group, threading.Lock())
+            with attach_lock:
                 if engine.nccl_device < 0:
                     _attach_nccl(engine, group, tensor.device)
         if engine.nccl_device != tensor.device.index:

@@ -479,15 +479,21 @@ def many_calls(rank, size):
 
     for i in range(120):
         call(i)
-    before = rss_bytes()
-    for i in range(1000):
-        call(i)
-    return rss_bytes() - before
+    growth = []
+    for _ in range(3):  # a leak grows in every window once the heap's free space is used; a heap that
+        # maps a new region once, in one window
+        before = rss_bytes()
+        for i in range(1000):
+            call(i)
+        growth.append(rss_bytes() - before)
+    return growth
 
 
 def test_memory_is_flat_over_a_thousand_calls(worlds):
     growth = worlds(2).run(many_calls)
-    assert max(growth) < 256 * 2**10, growth  # 0 in every run so far; 300 bytes kept per call fail it
+    # 0 in most runs, and twice in many a single window grew by a few hundred KB; 300 bytes kept per
+    # call grow the windows by about [70, 310, 300] KB
+    assert all(sorted(windows)[1] < 128 * 2**10 for windows in growth), growth
 
 
 def many_cuda_calls(rank, size):

@@ -271,6 +271,7 @@ def bucket_by_bucket(rank, size):
     model = gradsync.DataParallel(torch.nn.Linear(4, 4))
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 3))
+    assert DDP._active_ddp_module is None
     model(torch.randn(2, 4))
     assert DDP._active_ddp_module is None
     return True

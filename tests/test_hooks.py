@@ -545,15 +545,17 @@ def test_data_parallel_finding_unused_parameters_lets_their_bucket_go_out_during
 class OutOfOrder(torch.nn.Module):
     """Layers registered in another order than the forward runs them (``stem`` runs first)."""
 
-    def __init__(self, registered=("head", "mid", "stem")):
+    def __init__(self, registered=("head", "mid", "stem"), mid_dtype=torch.float32):
         super().__init__()
         torch.manual_seed(0)
-        layers = {"stem": torch.nn.Linear(16, 64), "mid": torch.nn.Linear(64, 64), "head": torch.nn.Linear(64, 1)}
+        layers = {"stem": torch.nn.Linear(16, 64), "mid": torch.nn.Linear(64, 64).to(mid_dtype),
+                  "head": torch.nn.Linear(64, 1)}
         for name in registered:
             setattr(self, name, layers[name])
 
     def forward(self, x):
-        return self.head(torch.tanh(self.mid(torch.tanh(self.stem(x)))))
+        hidden = torch.tanh(self.stem(x)).to(self.mid.weight.dtype)
+        return self.head(torch.tanh(self.mid(hidden)).float())
 
 
 def rebuilt_buckets(rank, size, codec):
@@ -608,6 +610,31 @@ def test_data_parallel_rebuilds_its_buckets_in_the_order_gradients_arrive(worlds
         assert moved == {"same": True, "views": True}
         assert same_as_in_order or codec != "none"  # a 16-bit or fp8 wire rounds by position
     assert results[0][3] == results[1][3]
+
+
+def rebuilt_into_copies(rank, size):
+    """The head's gradients, views of an all-fp32 bucket, move by the rebuild into one that holds
+    the bf16 layer and keeps copies: they take memory of their own, so the old bucket goes."""
+    net = OutOfOrder(mid_dtype=torch.bfloat16)
+    model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+    assert model.buckets[-1] == [net.head.bias, net.head.weight] and model._buckets[-1].views is not None
+    old = weakref.ref(model._buckets[-1].buffer)
+    grads, gone = [], []
+    for step in range(2):
+        model.zero_grad(set_to_none=False)
+        x, y = batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        grads.append(net.head.weight.grad.clone())
+        gc.collect()
+        gone.append(old() is None)
+    assert model.buckets[0][:2] in ([net.head.bias, net.head.weight], [net.head.weight, net.head.bias])
+    assert model._bucket_of[id(net.head.weight)].views is None and net.head.weight.grad._base is None
+    return all(gone), [digest(g) for g in grads]
+
+
+def test_data_parallel_rebuild_leaves_no_gradient_in_an_old_bucket(worlds):
+    results = worlds(2).run(rebuilt_into_copies)
+    assert all(gone for gone, _ in results) and results[0][1] == results[1][1]
 
 
 def gradient_the_walk_missed(rank, size):
@@ -887,7 +914,12 @@ def different_models(rank, size):
                          {"gradient_as_bucket_view": True}),
         "codec": (Grid((4, 6)), {"codec": "fp16" if rank == 0 else "bf16"}),
         "bucket size": (Grid((4, 6)), {"bucket_cap_mb": 1 + rank}),
+        "parameter count": (Grid((4, 6)), {}),
+        "buffer count": (Grid((4, 6)), {}),
     }
+    if rank == 1:  # one more layer, or one more buffer, than rank 0
+        cases["parameter count"][0].extra = torch.nn.Linear(2, 2)
+        cases["buffer count"][0].register_buffer("steps", torch.zeros(1))
     messages = {}
     for case, (net, options) in cases.items():
         with pytest.raises(ValueError) as error:
@@ -908,6 +940,9 @@ def test_data_parallel_refuses_ranks_that_wrap_different_models(worlds):
                 "parameter 'conv.weight' differs" in messages[case], (case, messages[case])
         assert "the wrapper's settings differ" in messages["codec"] and "codec=" in messages["codec"]
         assert "the wrapper's settings differ" in messages["bucket size"]
+        assert "the number of parameters differs across ranks (here " in messages["parameter count"]
+        assert "between 3 and 5" in messages["parameter count"]
+        assert "the number of buffers differs" in messages["buffer count"]
     assert results[0][1] == results[1][1]
 
 
@@ -931,7 +966,17 @@ def wrapped_twice(rank, size):
             with pytest.raises(RuntimeError, match="the module was wrapped again"):
                 older(x)
     once, again = grads[:3], grads[3:]
-    return all(torch.equal(a, b) for a, b in zip(once, again))
+    same = all(torch.equal(a, b) for a, b in zip(once, again))
+    # a wrapper that only shares a tied parameter with a newer one, or runs inside it, keeps training
+    tied = torch.nn.Linear(4, 4)
+    first = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 4)), codec="none")
+    second = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 2)), codec="none")
+    outer = gradsync.DataParallel(torch.nn.Sequential(second, torch.nn.Linear(2, 1)), codec="none")
+    for model in (first, second, outer):
+        model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(TypeError, match="use copy.deepcopy"):
+        copy.copy(first)
+    return same and not any(m._retired for m in (first, second, outer))
 
 
 def test_a_module_wrapped_again_is_averaged_by_the_newer_wrapper_only(worlds):
@@ -946,6 +991,7 @@ def copies(rank, size):
                                   gradient_as_bucket_view=True)
     x, y = batch(rank, 0)
     F.mse_loss(model(x), y).backward()
+    net.body[1].eval()  # a submodule's own mode (a frozen BatchNorm, say) goes with the copies
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -957,6 +1003,7 @@ def copies(rank, size):
     out = []
     for replica in [model] + copies:
         assert isinstance(replica, gradsync.DataParallel) and replica.codec == "bf16"
+        assert replica.training and not replica.module.body[1].training and replica.module.body[0].training
         assert replica.buckets and all(b.residual is not None and b.views is not None for b in replica._buckets)
         assert replica is model or not any(p is q for p, q in zip(replica.parameters(), net.parameters()))
         replica.zero_grad()
