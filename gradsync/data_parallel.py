@@ -538,9 +538,9 @@ class DataParallel(torch.nn.Module, Joinable):
                         "copy.deepcopy (a copy of the module, wrapped anew)")
 
     def _check_replicas(self, settings):
-        """Every rank must wrap the same model with the same settings: one small all-reduce of a
-        checksum per entry, before anything is broadcast (a broadcast of flattened tensors would not
-        notice two shapes of one size)."""
+        """Every rank must wrap the same model with the same settings: two small all-reduces (the
+        numbers of parameters and buffers, then a checksum per entry), before anything is broadcast
+        (a broadcast of flattened tensors would not notice two shapes of one size)."""
         entries = _signature(self.module, settings)
         counts = [sum(1 for kind, _, _ in entries if kind == k) for k in ("parameter", "buffer")]
         highest, lowest = self._extremes(counts)  # the sums' lengths first: one all-reduce must match in size
