@@ -9,8 +9,9 @@ measured interleaved, step by step, in one run. Two extra rows show the overlap:
 (backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
 the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
 communication ran while backward computed. The compiled rows run torch.compile(DataParallel(net))
-(backend aot_eager), with its forward split at bucket boundaries, as DDP's is, and in one graph. With many small layers (``--params 2e6 --layers 500``:
-1,000 parameter tensors) the step measures each wrapper's cost per parameter instead.
+(backend aot_eager), with its forward split at bucket boundaries, as DDP's is, and in one graph.
+With many small layers (``--params 2e6 --layers 500``: 1,000 parameter tensors) the step measures
+each wrapper's cost per parameter instead.
 """
 import argparse
 import contextlib

@@ -241,15 +241,6 @@ def _caller_stacklevel():
     return level
 
 
-def _activate_for_dynamo(hint, previous):
-    """Makes ``hint`` what Dynamo's DDPOptimizer reads while the wrapped forward is compiled, as
-    DDP's forward and torch's composable replicate() do. Returns what it replaced: ``previous``
-    where a forward that raised left the hint behind."""
-    active = DistributedDataParallel._active_ddp_module
-    DistributedDataParallel._active_ddp_module = hint
-    return previous if active is hint else active
-
-
 def _on_grad(wrapper, param):
     wrapper = wrapper()
     if wrapper is not None and not wrapper._retired:
@@ -656,12 +647,21 @@ class DataParallel(torch.nn.Module, Joinable):
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
-            self._forward_raised()
+            self._take_hint_back()
             raise
         self._after_forward(output)
         return output
 
-    def _forward_raised(self):
+    def _hand_hint_to_dynamo(self):
+        """Makes the hint what Dynamo's DDPOptimizer reads while the wrapped forward is compiled, as
+        DDP's forward and torch's composable replicate() do, keeping what it replaces (unless a
+        compiled forward that raised left the hint itself behind)."""
+        active = DistributedDataParallel._active_ddp_module
+        DistributedDataParallel._active_ddp_module = self._dynamo_hint
+        if active is not self._dynamo_hint:
+            self._outer_ddp_module = active
+
+    def _take_hint_back(self):
         DistributedDataParallel._active_ddp_module, self._outer_ddp_module = self._outer_ddp_module, None
 
     @_eager_under_compile
@@ -678,11 +678,11 @@ class DataParallel(torch.nn.Module, Joinable):
             self._forward_synced = self._sync
         if broadcasts:
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
-        self._outer_ddp_module = _activate_for_dynamo(self._dynamo_hint, self._outer_ddp_module)
+        self._hand_hint_to_dynamo()
 
     @_eager_under_compile
     def _after_forward(self, output):
-        DistributedDataParallel._active_ddp_module, self._outer_ddp_module = self._outer_ddp_module, None
+        self._take_hint_back()
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = _reached_leaves(output)
             if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one
