@@ -423,8 +423,9 @@ def takes_turns(meta):
 
 def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=None):
     """Measured against predicted for every modelled row of a netem report JSON: a list of dicts.
-    `latencies_from`: another run of the same hosts whose latency-bound rows give the hop latencies,
-    so that no row's own time enters its prediction.
+    The hop latencies come from the run's own latency-bound rows (LATENCY_BOUND_BYTES or less), whose
+    predictions are so partly fitted to them; `latencies_from`: another run of the same hosts whose
+    latency-bound rows give them instead, so that no row's own time enters its prediction.
 
     Each host's token bucket is followed across the calls as the benchmark made them (`takes_turns`,
     `settled_bucket`): a call finds in it what the call before left, plus the refill during the
@@ -500,11 +501,27 @@ def knee_bucket(params, n, link, kernels, impl, within=0.10):
     return None
 
 
-def latency_crossover(bucket_bytes, link, codec, hop=0.0):
+def latency_crossover(bucket_bytes, link, codec, hop=0.0, nics=1):
     """The ring size beyond which the latency term 2(n-1)alpha exceeds the bandwidth term
     2(n-1)/n S_wire/B for one bucket: n = S_wire / (B alpha). `hop`: a host's cost of issuing a hop,
-    which acts as the latency where it is the larger."""
-    return bucket_bytes / 4 * WIRE_BYTES[codec] / (link.bandwidth * max(link.latency, hop))
+    which acts as the latency where it is the larger. `nics`: rings running at once, one per NIC,
+    which share the bucket between them (B times nics)."""
+    return bucket_bytes / 4 * WIRE_BYTES[codec] / (nics * link.bandwidth * max(link.latency, hop))
+
+
+def nccl_crossover(bucket_bytes, link, across_nodes):
+    """latency_crossover for NCCL's fp32 ring (`nccl_link`): one ring inside a node, a ring per NIC
+    once it spans nodes, so that a crossover beyond one node is GPUS_PER_NODE times nearer (and no
+    nearer than the first node boundary)."""
+    n = latency_crossover(bucket_bytes, link, "none")
+    if not across_nodes or n <= GPUS_PER_NODE:
+        return n
+    return max(GPUS_PER_NODE, latency_crossover(bucket_bytes, link, "none", nics=GPUS_PER_NODE))
+
+
+def spans_nodes(link):
+    """Whether the projections run `link` between nodes (beyond GPUS_PER_NODE ranks)."""
+    return any(n > GPUS_PER_NODE for n, other in TOPOLOGIES if other == link)
 
 
 SLICE_CAPS = [1 << k for k in range(20, 31)]  # 1 MB .. 1 GB
@@ -554,21 +571,29 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     lines += [f"gradsync's host spends {kernels.hop * 1e6:.0f} us{hop_assumed} issuing each of the ring's 2(n-1) hops, while a",
               "chunk of a 25 MB bucket crosses NVLink in a few: with DDP's 25 MB buckets the GPU ring is bound",
               "by its host. Buckets of 256 MB (bucket_cap_mb=256) make each hop long enough for compression to",
-              "pay up to 64 ranks; beyond, every bucket pays 2(n-1) host hops (below: hierarchical sync).", ""]
-    lines += ["## Where compression pays: per element and hop, the slower of wire and kernel, fp32 ring vs codec (ps)",
-              "(a hop costs max(wire, kernel) when pipelined; the codec pays where its max is below fp32's, once",
-              "hops are long enough to hide the host's cost of issuing them; the fp32 ring is NCCL's on the GPUs",
-              "either way: host kernels are what a codec would cost if it ran on the host)",
-              f"{'link':<20} {'kernels':<24} {'codec':<9} {'fp32 ring':>10} {'codec wire':>11} {'kernel':>8} {'pays':>5}"]
+              "pay inside one node. Across nodes the flat ring crosses each node boundary on one NIC where NCCL",
+              "runs a ring on each of the node's NICs, and every bucket pays 2(n-1) host hops: it loses to NCCL",
+              "whatever the codec. Compression still beats the same ring in fp32 (\"none\") as long as the wire,",
+              "not the host, sets the pace; across nodes, hierarchical sync (below) is what pays.", ""]
+    lines += ["## Where compression pays: per element and hop, the slower of wire and kernel (ps)",
+              "(a hop costs max(wire, kernel) when pipelined, once hops are long enough to hide the host's cost",
+              "of issuing them. The codec's ring is compared with NCCL's fp32 ring, which across nodes runs a",
+              f"ring per NIC ({GPUS_PER_NODE} per node), and with the same flat ring in fp32 on one NIC; host",
+              "kernels are what a codec would cost if it ran on the host)",
+              f"{'link':<20} {'kernels':<24} {'codec':<9} {'NCCL fp32':>10} {'ring fp32':>10} {'codec wire':>11} "
+              f"{'kernel':>8} {'pays vs NCCL':>13} {'vs ring':>8}"]
     kernel_sets = [(f"GPU, {'assumed' if kernels.name.startswith('ASSUMED') else 'measured'}", kernels)]
     kernel_sets += [("CPU, 1 thread, measured", cpu)] if cpu else []
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
+        nics = GPUS_PER_NODE if spans_nodes(link) else 1
         for label, ks in kernel_sets:
-            base = max(4 / link.bandwidth, kernels.add)
+            nccl, ring = max(4 / (nics * link.bandwidth), kernels.add), max(4 / link.bandwidth, kernels.add)
             for codec in ("fp16", "fp8_e4m3"):
                 wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
-                lines.append(f"{link.name:<20} {label:<24} {codec:<9} {base * 1e12:>10.1f} {wire * 1e12:>11.1f} "
-                             f"{kernel * 1e12:>8.1f} {'yes' if max(wire, kernel) < base else 'no':>5}")
+                cost = max(wire, kernel)
+                lines.append(f"{link.name:<20} {label:<24} {codec:<9} {nccl * 1e12:>10.1f} {ring * 1e12:>10.1f} "
+                             f"{wire * 1e12:>11.1f} {kernel * 1e12:>8.1f} {'yes' if cost < nccl else 'no':>13} "
+                             f"{'yes' if cost < ring else 'no':>8}")
     lines += ["", "## Best bucket: the smallest within 10 % of one all-reduce of the whole gradient (gradsync fp16)",
               "(smaller buckets start communicating earlier in backward, which is not modelled; \"one bucket\": no",
               "bucket smaller than the whole gradient comes within 10 %)",
@@ -592,13 +617,15 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     lines += ["", "## Where the flat ring stops scaling",
               "The ring pays 2(n-1) hop latencies per all-reduce (3(n-1) with gradsync's agreement check over NCCL) while its",
               "bandwidth term stays near 2 S/B: past n = S_wire / (B alpha) latency dominates, and every bucket pays it.",
-              "For gradsync's GPU ring alpha is at least the host's cost per hop.",
-              f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>14}" for c in ("torch fp32", "gradsync fp16", "fp8"))]
+              "For gradsync's GPU ring alpha is at least the host's cost per hop. NCCL's fp32 ring runs a ring per",
+              f"NIC across nodes, each with 1/{GPUS_PER_NODE} of the bucket, so its n is {GPUS_PER_NODE} times nearer there",
+              "(\"< 2\": latency dominates from the smallest ring).",
+              f"{'link':<20} {'bucket':>7}" + "".join(f"{c:>14}" for c in ("NCCL fp32", "gradsync fp16", "fp8"))]
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         for mb in (25, 256):
-            ns = [latency_crossover(mb * 2**20, link, "none")]
+            ns = [nccl_crossover(mb * 2**20, link, spans_nodes(link))]
             ns += [latency_crossover(mb * 2**20, link, c, kernels.hop) for c in ("fp16", "fp8_e4m3")]
-            lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>14.0f}" for x in ns))
+            lines.append(f"{link.name:<20} {mb:>4} MB" + "".join(f"{x:>14.0f}" if x >= 2 else f"{'< 2':>14}" for x in ns))
     lines += ["Compression lowers S_wire and so lowers this n. That is the case for hierarchical sync (reduce",
               "inside the node over NVLink, gradsync's compressed ring across nodes with n/8 ranks)",
               "or larger buckets.", ""]
@@ -669,7 +696,8 @@ def main():
             with open(args.latencies_from) as f:
                 held_out = json.load(f)
         latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
-        source = f" in {os.path.basename(args.latencies_from)}" if held_out else ""
+        source = f" in {os.path.basename(args.latencies_from)}" if held_out else \
+            f" in this run's rows of {LATENCY_BOUND_BYTES >> 10} KB or less (so those rows are in-sample)"
         print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); hop latency measured{source}: "
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in latencies.items() if v) + f"; {kernels.name}")
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))

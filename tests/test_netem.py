@@ -64,7 +64,8 @@ def test_dry_run_changes_nothing():
         assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
-@pytest.mark.parametrize("args", [["--hosts", "1"], ["--rate", "1gb"], ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
+@pytest.mark.parametrize("args", [["--hosts", "1"], ["--rate", "1gb"], ["--rate", "0.0mbit"], ["--rate", "00mbit"],
+                                  ["--rate", "0.5kbit"], ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
 def test_bad_arguments_fail_before_anything_runs(args):
     result = run_sh("--dry-run", *args)
     assert result.returncode == 2 and "run.sh:" in result.stderr
@@ -80,7 +81,10 @@ def load_report():
 
 def test_report_bound_and_targets(tmp_path):
     report = load_report()
-    assert report.rate_bps("500mbit") == 5e8 and report.rate_bps("1gbit") == 1e9
+    assert report.rate_bps("500mbit") == 5e8 and report.rate_bps("1gbit") == 1e9 and report.rate_bps(".5gbit") == 5e8
+    for bad in ("0.0mbit", "00mbit", "1gb", ""):
+        with pytest.raises(ValueError, match="bad rate"):
+            report.rate_bps(bad)
     assert report.link_bound_s(4, 64e6, 1e9) == pytest.approx(1.5 * 64e6 * 8 / 1e9)
     assert report.link_bound_s(2, 1e6, 8e6) == pytest.approx(1.0)
     impls = {"torch fp32": (4, 1000.0), "gradsync none": (4, 1050.0), "gradsync fp16": (2, 500.0),

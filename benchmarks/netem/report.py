@@ -52,9 +52,10 @@ def _speedup(rows, impl, target):
 
 def rate_bps(text):
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)(kbit|mbit|gbit)", text)
-    if not m:
-        raise ValueError(f"bad rate {text!r}")
-    return float(m[1]) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m[2]]
+    bps = float(m[1]) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m[2]] if m else 0.0
+    if bps < 1e3:
+        raise ValueError(f"bad rate {text!r}: a number and kbit, mbit or gbit, at least 1kbit")
+    return bps
 
 
 BUCKET_SHARE = 0.1

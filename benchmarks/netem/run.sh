@@ -8,6 +8,8 @@
 #   benchmarks/netem/run.sh [--hosts 4] [--rate 500mbit,1gbit,2gbit] [--out DIR] [--prefix gsnet-]
 #                           [--timeout SECONDS] [--dry-run] [-- bench_allreduce.py arguments]
 #
+# Arguments after -- replace the defaults given to bench_allreduce.py (BENCH_ARGS below).
+#
 # Writes DIR/rate-<rate>.json (bench_allreduce.py's rows), DIR/rank<i>-<rate>.log and, through
 # report.py, DIR/netem.{json,md,png}. PYTHON selects the interpreter (default python3).
 set -euo pipefail
@@ -19,7 +21,7 @@ PYTHON=${PYTHON:-python3}
 BENCH_ARGS=(--min-bytes 1K --max-bytes 64M --step 4 --budget-bytes 512M)
 MASTER_PORT=29500  # the namespaces are private, so a fixed port cannot collide
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while (($#)); do
   case $1 in
     --hosts) HOSTS=$2; shift 2 ;;
@@ -52,9 +54,9 @@ run() {
 rate_bps() {
   awk -v r="$1" 'BEGIN {
     if (!match(r, /^[0-9]*\.?[0-9]+/)) exit 1
-    v = substr(r, 1, RLENGTH); u = substr(r, RLENGTH + 1)
+    v = substr(r, 1, RLENGTH) + 0; u = substr(r, RLENGTH + 1)
     m = u == "kbit" ? 1e3 : u == "mbit" ? 1e6 : u == "gbit" ? 1e9 : 0
-    if (m == 0 || v <= 0) exit 1
+    if (m == 0 || v * m < 1000) exit 1
     printf "%.0f", v * m }' || { echo "run.sh: bad rate '$1' (e.g. 500mbit, 1gbit)" >&2; exit 2; }
 }
 
@@ -137,8 +139,10 @@ bench() {
     PIDS+=($!)
   done
   [[ -z $DRY ]] || echo wait
-  for pid in "${PIDS[@]}"; do wait "$pid" || failed=1; done
-  PIDS=()
+  # the first rank to fail ends the run at once (the exit trap kills the others), rather than
+  # after the others time out waiting for it
+  for ((i = 0; i < ${#PIDS[@]}; i++)); do wait -n "${PIDS[@]}" 2>/dev/null || { failed=1; break; }; done
+  ((failed)) || PIDS=()
   if ((failed)); then
     echo "run.sh: a rank failed or timed out at $rate; logs in $OUT" >&2
     tail -n 20 "$OUT"/rank*-"$rate".log >&2
