@@ -45,9 +45,12 @@ class ReduceScatter(_ReduceScatterComm):
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once). ``error_feedback``: keep, per layout, the fp32 residual of what
     this rank's encodings lost and add it to the next step's gradients (see
-    :func:`gradsync.all_reduce`); give each FSDP module an instance of its own, as
-    :func:`compress_reduce_scatter` does. The residual has the unsharded gradients' size: an fp32
-    copy of the module's gradients on every rank, which sharding otherwise avoids.
+    :func:`gradsync.all_reduce`); give each FSDP module an instance of its own, and make FSDP2
+    reduce-scatter every parameter in every step (``set_reduce_scatter_unused_params(True)``), as
+    :func:`compress_reduce_scatter` does: FSDP2 otherwise leaves out the parameters that got no
+    gradient, and a step that uses others of the same total size (another expert) would take their
+    residual. The residual has the unsharded gradients' size: an fp32 copy of the module's gradients
+    on every rank, which sharding otherwise avoids.
 
     FSDP2 calls a custom reduce-scatter synchronously, and gradsync's completes on the host: on a
     GPU, each module's backward waits for the previous module's reduce-scatter to finish instead
@@ -102,13 +105,18 @@ class ReplicaAllReduce:
     (each micro-batch's shard is all-reduced; the sums are the same); to communicate nothing until
     the last micro-batch, use ``set_requires_gradient_sync(False)``.
 
-    Each shard's layout is checked across the replicas the first time it is seen.
+    Each shard's layout is checked across the replicas the first time it is seen; that ``group``
+    holds one rank per replica of the same shard is checked by :func:`compress_replica_all_reduce`.
     ``error_feedback``: keep, per layout, the fp32 residual of what this rank's encodings lost (see
-    :func:`gradsync.all_reduce`): it has the shard's size, not the model's. Like
+    :func:`gradsync.all_reduce`): it has the shard's size, not the model's; as for
+    :class:`ReduceScatter`, FSDP2 must then reduce-scatter every parameter in every step. Like
     :class:`ReduceScatter`, it completes on the host before the hook returns.
     """
 
     def __init__(self, group: dist.ProcessGroup, codec: str = "bf16", *, op="avg", error_feedback: bool = False):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"gradsync.fsdp.ReplicaAllReduce: group must be the replicas' ProcessGroup "
+                            f"(mesh[\"replicate\"].get_group()), got {type(group).__name__}")
         _check_codec(codec)
         _op_factor(op, 1)  # an op all_reduce takes
         self.group, self.codec, self.op = group, codec, op
@@ -155,11 +163,41 @@ def _all_reduces_replicas(param_group):
     return isinstance(param_group.mesh_info, DDPMeshInfo)
 
 
+def _reduce_every_parameter(found, caller):
+    """Error feedback keeps a residual per layout: FSDP2 must reduce-scatter every parameter in every
+    step, zeros for those without a gradient, so that a layout is always the same parameters."""
+    for m, _ in found:
+        if not hasattr(m, "set_reduce_scatter_unused_params"):
+            raise ValueError(f"gradsync.fsdp.{caller}: error_feedback needs FSDP2 to reduce-scatter every parameter "
+                             "in every step (FSDPModule.set_reduce_scatter_unused_params), which this torch lacks")
+        m.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _check_replica_group(found, group):
+    """Every rank of ``group`` holds the same place in a shard group of the same size, for every
+    module: otherwise it would sum different shards. Collective over ``group``."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"gradsync.fsdp.compress_replica_all_reduce: group must be the replicas' ProcessGroup "
+                        f"(mesh[\"replicate\"].get_group()), got {type(group).__name__}")
+    mine = [(getattr(g.mesh_info, "shard_mesh_rank", None), getattr(g.mesh_info, "shard_mesh_size", None))
+            for _, groups in found for g in groups]
+    places = [None] * group.size()
+    dist.all_gather_object(places, mine, group=group)
+    if any(place != mine for place in places):
+        raise ValueError("gradsync.fsdp.compress_replica_all_reduce: the group's ranks must hold the same shard, one "
+                         "per replica (mesh[\"replicate\"].get_group()), but their (place, size) in the shard group "
+                         f"of each parameter group differ: {places}")
+
+
 def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, error_feedback: bool = False) -> int:
     """Makes every FSDP2 module in ``module`` (itself included) reduce-scatter its gradients with
     gradsync (a :class:`ReduceScatter` each); returns how many it found (those that manage
-    parameters). Call it after ``fully_shard`` and before the first backward."""
+    parameters). With ``error_feedback`` it also makes them reduce-scatter every parameter in every
+    step (``set_reduce_scatter_unused_params(True)``; see :class:`ReduceScatter`). Call it after
+    ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_reduce_scatter")
+    if error_feedback:
+        _reduce_every_parameter(found, "compress_reduce_scatter")
     for m, _ in found:
         m.set_custom_reduce_scatter(ReduceScatter(codec, error_feedback=error_feedback))
     return len(found)
@@ -171,15 +209,21 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     ``group`` with gradsync after each reduce-scatter (a :class:`ReplicaAllReduce` each, as FSDP2's
     all-reduce hook): hybrid sharding whose cross-replica all-reduce sends ``codec``. Shard the
     modules over a 1-D mesh of the ranks that share a replica (``mesh["shard"]``); a module sharded
-    over a 2-D mesh already all-reduces across replicas itself, and raises. Returns how many modules
-    it found (those that manage parameters). Call it after ``fully_shard`` and before the first
-    backward."""
+    over a 2-D mesh already all-reduces across replicas itself, and raises. ``group`` must hold one
+    rank per replica of the same shard: checked here, collectively over ``group`` (a ValueError
+    otherwise, as for ``None`` or the shard group). With ``error_feedback`` it also makes the
+    modules reduce-scatter every parameter in every step (see :class:`ReduceScatter`). Returns how
+    many modules it found (those that manage parameters). Call it on every rank after
+    ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_replica_all_reduce")
     for m, groups in found:
         if any(_all_reduces_replicas(g) for g in groups):
             raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh (or "
                              "replicated), whose replicas FSDP2 all-reduces itself; shard over the 1-D mesh of one "
                              "replica (mesh[\"shard\"]) and pass the replicas' group (mesh[\"replicate\"].get_group())")
+    _check_replica_group(found, group)
+    if error_feedback:
+        _reduce_every_parameter(found, "compress_replica_all_reduce")
     for m, _ in found:
         m.set_all_reduce_hook(ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback))
     return len(found)

@@ -40,6 +40,9 @@ class GradSyncState:
     add it to the next step's gradient, so that compression errors cancel over steps instead of
     accumulating in the weights. Residuals are keyed by the bucket's parameters: when DDP rebuilds
     its buckets after the first step, each parameter's residual moves with it into its new bucket.
+    Under DDP's ``find_unused_parameters=True``, a parameter no rank used in a step loses the
+    residual sent for it (DDP drops its slot), as with torch's PowerSGD. Residuals go with the state
+    (and with their parameters): a new state for each run of a long-lived model keeps no old copy.
 
     A state can be saved with the training checkpoint (``torch.save``, pickle) and registered again
     after loading, as torch's ``PowerSGDState``. What is saved is its settings: residuals and the
@@ -109,7 +112,7 @@ class GradSyncState:
             result = fut.value()
             if anchor not in self._checked and param() is not None:
                 self._checked[anchor] = set()
-                weakref.finalize(param(), self._checked.pop, anchor, None)
+                weakref.finalize(param(), _forget, weakref.ref(self), "_checked", anchor)
             if anchor in self._checked:
                 self._checked[anchor].add(key)
             return result
@@ -132,7 +135,7 @@ class GradSyncState:
             self._adopt(residual, layout)
         self._residuals[key] = (residual, layout)
         if params:  # dropped with the model, so that a later model reusing these ids starts clean
-            weakref.finalize(params[0], self._residuals.pop, key, None)
+            weakref.finalize(params[0], _forget, weakref.ref(self), "_residuals", key)
         return residual
 
     def _adopt(self, residual, layout):
@@ -153,6 +156,14 @@ class GradSyncState:
 
 
 _default_states = {}  # the state of hooks registered with None or a ProcessGroup, per group
+
+
+def _forget(state_ref, table, key):
+    """Drops a state's entry for a model that is gone. The state is held weakly: a state dropped
+    before its model frees its residuals at once."""
+    state = state_ref()
+    if state is not None:
+        getattr(state, table).pop(key, None)
 
 
 def _resolve_state(state):
@@ -274,7 +285,7 @@ class HierarchicalState(GradSyncState):
                 del self._shard_residuals[old]
             residual = self._shard_residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
             if bucket.parameters():  # dropped with the model
-                weakref.finalize(bucket.parameters()[0], self._shard_residuals.pop, key, None)
+                weakref.finalize(bucket.parameters()[0], _forget, weakref.ref(self), "_shard_residuals", key)
         return residual
 
 
