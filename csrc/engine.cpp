@@ -188,10 +188,26 @@ std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tens
   return submit(Job{input, output, options, std::make_shared<RingWork>(output)});
 }
 
+std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, bool scatter, const RingOptions& options,
+                                             std::string why) {
+  TORCH_CHECK(placeholder.numel() == 0 && placeholder.scalar_type() == at::kFloat,
+              "gradsync: a refused call's placeholder is an empty float32 tensor");
+  Job job{placeholder, scatter ? placeholder : at::Tensor(), options, std::make_shared<RingWork>(placeholder)};
+  job.options.residual = at::Tensor();
+  job.refusal = why.empty() ? std::string("gradsync: the call was refused") : std::move(why);
+  return submit(std::move(job));
+}
+
+namespace {
+thread_local bool t_on_worker = false;
+}  // namespace
+
+bool RingEngine::on_worker_thread() { return t_on_worker; }
+
 std::shared_ptr<RingWork> RingEngine::submit(Job job) {
   const at::Tensor& tensor = job.tensor;
 #ifdef GRADSYNC_WITH_CUDA
-  if (tensor.is_cuda()) {
+  if (tensor.is_cuda() && job.refusal.empty()) {  // a refused call never reads its (empty) tensor
     // the worker starts once the caller's stream has produced the tensor
     const c10::cuda::CUDAGuard guard(tensor.device());
     cudaEvent_t event;
@@ -213,6 +229,7 @@ std::shared_ptr<RingWork> RingEngine::submit(Job job) {
 }
 
 void RingEngine::run() {
+  t_on_worker = true;
   for (;;) {
     Job job;
     {
@@ -326,6 +343,7 @@ void RingEngine::execute(Job& job) {
   std::unique_ptr<c10::cuda::CUDAStreamGuard> guard;
 #endif
   try {
+    if (!job.refusal.empty()) throw std::invalid_argument(job.refusal);
     const bool pinned = t.is_cuda();
 #ifdef GRADSYNC_WITH_CUDA
     if (t.is_cuda()) {
@@ -429,6 +447,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   uint8_t *recv_image = nullptr, *send_image = nullptr;
   std::exception_ptr unprepared;
   try {
+    if (!job.refusal.empty()) throw std::invalid_argument(job.refusal);
     kernels = std::make_unique<CudaRingKernels>(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype,
                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale),
                                                 compute_stream_, /*synchronize=*/false);
@@ -506,6 +525,7 @@ void bind_ring(pybind11::module& m) {
 #endif
     return out;
   }, py::arg("device"), py::arg("hops"), py::arg("sizes"), py::arg("repeats") = 1, py::arg("timeout_s") = 60.0);
+  m.def("_on_engine_thread", &RingEngine::on_worker_thread);
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)
@@ -522,6 +542,12 @@ void bind_ring(pybind11::module& m) {
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
       .def_property_readonly("nccl_device", &RingEngine::nccl_device)
+      .def(
+          "refuse",
+          [](RingEngine& e, at::Tensor placeholder, bool scatter, bool check_call, int64_t slice_bytes, std::string why) {
+            return e.refuse(std::move(placeholder), scatter, RingOptions{0, 1.0, 1.0, check_call, slice_bytes}, std::move(why));
+          },
+          py::arg("placeholder"), py::arg("scatter"), py::arg("check_call"), py::arg("slice_bytes"), py::arg("why"))
       .def("attach_nccl", &RingEngine::attach_nccl, py::arg("unique_id"), py::arg("device"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def(

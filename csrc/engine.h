@@ -62,6 +62,13 @@ class RingEngine {
   std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
   // `output` becomes this rank's chunk of `input` (size() chunks) reduced across the group.
   std::shared_ptr<RingWork> reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options);
+  // Takes this rank's turn in a call it refused (`why`: its arguments were wrong here): the call's
+  // agreement check tells the peers, which raise naming this rank instead of pairing their call
+  // with this rank's next one. `placeholder`: an empty float32 tensor on the device the call would
+  // have used. The returned work fails with `why`.
+  std::shared_ptr<RingWork> refuse(at::Tensor placeholder, bool scatter, const RingOptions& options, std::string why);
+  // Whether the calling thread is an engine's worker (running a call's future callbacks, say).
+  static bool on_worker_thread();
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
   void stop();
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
@@ -84,6 +91,7 @@ class RingEngine {
     at::Tensor output;  // a reduce-scatter's (tensor is then its input); undefined for an all-reduce
     RingOptions options;
     std::shared_ptr<RingWork> work;
+    std::string refusal;  // non-empty: a call this rank refused (see refuse())
 #ifdef GRADSYNC_WITH_CUDA
     std::shared_ptr<void> ready;  // a CUDA event recorded on the caller's stream
 #endif

@@ -8,9 +8,11 @@ travel over gradsync's own NCCL communicator, made once per group; CPU tensors (
 tensors of a non-NCCL group through pinned host memory, over the group's own send/recv.
 """
 import atexit
+import contextlib
 import math
 import numbers
 import os
+import struct
 import threading
 import warnings
 import weakref
@@ -133,18 +135,30 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     """
     target = _op_factor(op, world_size)
     if prescale is None and postscale is None:
-        return target, 1.0
+        return _in_float32(target, "the op's factor"), 1.0
     if postscale is None:
         prescale = _check_scale(prescale, "prescale")
-        return prescale, target / prescale
+        return _in_float32(prescale, "prescale"), _in_float32(target / prescale, "the postscale it leaves")
     postscale = _check_scale(postscale, "postscale")
     if prescale is None:
-        return target / postscale, postscale
+        return _in_float32(target / postscale, "the prescale it leaves"), _in_float32(postscale, "postscale")
     prescale = _check_scale(prescale, "prescale")
     if not math.isclose(prescale * postscale, target, rel_tol=1e-6):
         raise ValueError(f"prescale * postscale must be {target:g} for op={_op_name(op)!r} on {world_size} ranks, "
                          f"got {prescale:g} * {postscale:g}")
-    return prescale, postscale
+    return _in_float32(prescale, "prescale"), _in_float32(postscale, "postscale")
+
+
+def _in_float32(value, name):
+    """A factor the kernels apply in float32: it must stay finite and non-zero there."""
+    try:
+        narrowed = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        narrowed = math.inf
+    if not math.isfinite(narrowed) or narrowed == 0:
+        raise ValueError(f"{name} must be a finite, non-zero float32, as gradsync applies it in float32: "
+                         f"{value!r} is {narrowed} there")
+    return value
 
 
 def _check_residual(residual, tensor, *others):
@@ -249,8 +263,9 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     ``postscale``: see :func:`resolve_scales`. With ``async_op=True`` returns an
     :class:`AllReduceWork` at once; calls on one group run in the order they were issued, which must
     be the same on every rank. ``check_call`` first verifies (one small exchange) that every rank
-    passes the same numel, dtype, codec and scaling, and raises on every rank if not; a rank that
-    cannot allocate the call's workspaces raises its error and the others a ValueError naming it.
+    passes the same numel, dtype, codec and scaling, and raises on every rank if not; a rank whose
+    arguments are wrong, or that cannot allocate the call's workspaces, raises its error and the
+    others a ValueError naming it.
 
     ``residual`` (error feedback): a contiguous float32 tensor with ``tensor``'s numel and device,
     zeros at first. It is added to this rank's contribution before that is encoded, and overwritten
@@ -262,14 +277,16 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     timeout passed) the tensor's and the residual's contents are unspecified, and later calls on the
     group raise.
     """
-    _check_tensor(tensor, "tensor", "all_reduce")
-    _check_codec(codec)
-    async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
-    if residual is not None:
-        _check_residual(residual, tensor)
-    group = _resolve_group(group)
-    _check_backend(tensor, "tensor", group)
-    prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
+    with _refused_on_error(group, tensor, check_call, scatter=False):
+        _check_tensor(tensor, "tensor", "all_reduce")
+        _check_codec(codec)
+        async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
+        if residual is not None:
+            _check_residual(residual, tensor)
+        group = _resolve_group(group)
+        _check_backend(tensor, "tensor", group)
+        prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
+        _check_not_capturing(tensor, "all_reduce")
     handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
     if async_op:
         return handle
@@ -285,6 +302,32 @@ def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
     work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
                              _slice_bytes(engine, tensor), residual, DIRECT_BYTES)
     return AllReduceWork(work, tensor)
+
+
+@contextlib.contextmanager
+def _refused_on_error(group, tensor, check_call, scatter):
+    """Arguments that are wrong on one rank raise there; this rank still takes its turn in the call
+    (RingEngine.refuse), so that the peers raise too, naming it, rather than pair their call with
+    this rank's next one and sum different tensors."""
+    try:
+        yield
+    except Exception as error:
+        _refuse(group, tensor, check_call, scatter, error)
+        raise
+
+
+def _refuse(group, tensor, check_call, scatter, error):
+    try:
+        group = _resolve_group(group)
+        device = tensor.device if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda" else "cpu"
+        placeholder = torch.empty(0, dtype=torch.float32, device=device)
+        if group.size() == 1 or (placeholder.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        engine = _engine(group, placeholder)
+        engine.refuse(placeholder, scatter, check_call is not False, _slice_bytes(engine, placeholder),
+                      f"{type(error).__name__}: {error}")
+    except Exception:  # the peers cannot be told: they wait for this rank until the group's timeout
+        pass
 
 
 def _check_tensor(t, name, caller):
@@ -336,26 +379,28 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     for :func:`all_reduce`. ``input`` is only read; ``output`` may be this rank's own chunk of it
     (in place), or memory of its own.
     """
-    _check_tensor(output, "output", "reduce_scatter")
-    _check_tensor(input, "input", "reduce_scatter")
-    if output.dtype != input.dtype or output.device != input.device:
-        raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on {input.device}) "
-                         "must have one dtype and device")
-    _check_codec(codec)
-    async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
-    group = _resolve_group(group)
-    n, rank = group.size(), group.rank()
-    if input.numel() != n * output.numel():
-        raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements ({n * output.numel()} "
-                         f"elements), got {input.numel()}")
-    if residual is not None:
-        _check_residual(residual, input, output)
-    if _overlap(output, input) and output.data_ptr() != input.data_ptr() + rank * output.numel() * output.element_size():
-        raise ValueError("output overlaps input other than as this rank's own chunk of it "
-                         f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
-    _check_backend(input, "input", group)
-    prescale, postscale = resolve_scales(op, n, prescale, postscale)
-    _check_not_capturing(input, "reduce_scatter")
+    with _refused_on_error(group, input, check_call, scatter=True):
+        _check_tensor(output, "output", "reduce_scatter")
+        _check_tensor(input, "input", "reduce_scatter")
+        if output.dtype != input.dtype or output.device != input.device:
+            raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on "
+                             f"{input.device}) must have one dtype and device")
+        _check_codec(codec)
+        async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
+        group = _resolve_group(group)
+        n, rank = group.size(), group.rank()
+        if input.numel() != n * output.numel():
+            raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements "
+                             f"({n * output.numel()} elements), got {input.numel()}")
+        if residual is not None:
+            _check_residual(residual, input, output)
+        if _overlap(output, input) and \
+                output.data_ptr() != input.data_ptr() + rank * output.numel() * output.element_size():
+            raise ValueError("output overlaps input other than as this rank's own chunk of it "
+                             f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
+        _check_backend(input, "input", group)
+        prescale, postscale = resolve_scales(op, n, prescale, postscale)
+        _check_not_capturing(input, "reduce_scatter")
     engine = _engine(group, input)
     work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
                                  _slice_bytes(engine, input), residual)
@@ -376,11 +421,15 @@ def _group_is_live(group):
 def shutdown():
     """Finishes every issued all-reduce and releases gradsync's per-group engines (threads, workspaces).
 
-    Call it before ``torch.distributed.destroy_process_group()``; it also runs at exit. A group that
+    Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
+    a future's callback, which runs on gradsync's thread: that raises); it also runs at exit. A group that
     torch.distributed has already destroyed is left to the process's exit rather than torn down here,
     since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
     left unusable stays so: later calls on it raise, as they did before.
     """
+    if _C._on_engine_thread():  # it would wait for the very call whose callback is running
+        raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
+                           "all-reduce's future); call it from the thread that issued the calls")
     while _engines:  # in the order they were made: a call's callbacks may issue calls on groups made after it
         group = next(iter(_engines))
         engine = _engines.pop(group)

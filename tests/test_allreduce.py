@@ -7,6 +7,7 @@ import itertools
 import os
 import subprocess
 import sys
+import re
 import threading
 import time
 
@@ -359,16 +360,23 @@ def test_error_feedback_residuals_account_for_the_error(worlds, codec, numel):
 
 def disagreeing_calls(rank, size):
     messages = []
-    for kind in ("numel", "far numel", "dtype", "codec", "scale", "schedule"):
+    for kind in ("numel", "far numel", "dtype", "codec", "scale", "schedule", "slices"):
         numel = 1000 + (rank if kind == "numel" else 0) + (2**20 if kind == "far numel" and rank == 0 else 0)
+        numel += 2**18 if kind == "slices" else 0
         dtype = torch.float16 if kind == "dtype" and rank == size - 1 else torch.float32
         codec = "fp8_e5m2" if kind == "codec" and rank == 0 else "fp16"
         prescale = 0.5 if kind == "scale" and rank == 1 else None
         x = torch.randn(numel).to(dtype)
         before = x.clone()
         start = time.monotonic()
-        with pytest.raises(ValueError) as info, direct_bytes(0 if kind == "schedule" and rank == 2 else None):
-            gradsync.all_reduce(x, codec=codec, prescale=prescale)
+        saved_slice = gradsync.distributed.SLICE_BYTES
+        if kind == "slices" and rank == 1:
+            gradsync.distributed.SLICE_BYTES = 1 << 16
+        try:
+            with pytest.raises(ValueError) as info, direct_bytes(0 if kind == "schedule" and rank == 2 else None):
+                gradsync.all_reduce(x, codec=codec, prescale=prescale)
+        finally:
+            gradsync.distributed.SLICE_BYTES = saved_slice
         # at once, not at the group's timeout (60 s)
         assert time.monotonic() - start < 10, f"{kind}: raised after {time.monotonic() - start:.1f} s"
         assert torch.equal(x, before), "a failed call wrote into the tensor"
@@ -382,11 +390,76 @@ def disagreeing_calls(rank, size):
 def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
     for messages in worlds(3).run(disagreeing_calls):
         assert all(m.startswith("gradsync.all_reduce: the ranks disagree") for m in messages), messages
-        numel, far, dtype, codec, scale, schedule = messages
+        numel, far, dtype, codec, scale, schedule, slices = messages
         assert "group rank 1 has numel 1001" in numel and "group rank 0 has numel 1000" in numel
         assert "dtype float16" in dtype and "dtype float32" in dtype
         assert "codec fp8_e5m2" in codec and "codec fp16" in codec
+        assert "prescale 0.5," in scale and "prescale 0.333333343," in scale  # to the last bit
         assert "schedule direct" in schedule and "schedule ring" in schedule
+        # every field that differs is shown: here only the slices
+        assert len(set(re.findall(r"slices of (\d+) elements", slices))) == 2, slices
+
+
+def refused_on_one_rank(rank, size):
+    """Each call is refused on rank 1 alone (its arguments); then every rank makes one more call.
+    Rank 1 raises its own error; the others a ValueError naming it, at once; the next calls pair."""
+    outcomes = []
+    cases = [("residual", lambda x: gradsync.all_reduce(x, op="sum", residual=torch.zeros(x.numel() - 1))),
+             ("scale", lambda x: gradsync.all_reduce(x, op="sum", prescale=1e-50)),
+             ("codec", lambda x: gradsync.all_reduce(x, op="sum", codec="int8")),
+             ("not a tensor", lambda x: gradsync.all_reduce(x.tolist(), op="sum")),
+             ("reduce_scatter", lambda x: gradsync.reduce_scatter(torch.empty(x.numel() // size + 1), x, op="sum")),
+             ("unchecked", lambda x: gradsync.all_reduce(x, op="sum", codec="int8", check_call=False))]
+    for kind, refused in cases:
+        x = torch.full((1200,), 1.0 + rank)
+        before = x.clone()
+        start = time.monotonic()
+        try:
+            if rank == 1:
+                refused(x)
+            elif kind == "reduce_scatter":
+                gradsync.reduce_scatter(torch.empty(x.numel() // size), x, op="sum")
+            else:
+                gradsync.all_reduce(x, op="sum", check_call=kind != "unchecked")
+            outcome = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is part of what is checked
+            outcome = f"{type(e).__name__}: {e}"
+        if kind == "unchecked":  # the peers wait in the ring: they time out, and rank 1 must not pair on
+            outcomes.append((kind, outcome, None, None))
+            break
+        seconds, untouched = time.monotonic() - start, torch.equal(x, before)
+        y = torch.full((10,), 10.0 * (rank + 1))
+        gradsync.all_reduce(y, op="sum")  # pairs with the peers' next call, not with the refused one
+        outcomes.append((kind, outcome, seconds < 10 and untouched, y[0].item()))
+    if rank == 1:
+        try:
+            gradsync.all_reduce(torch.ones(10))
+            outcomes.append("the group was still usable")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+def test_a_call_refused_on_one_rank_makes_every_rank_raise(worlds):
+    # a rank whose arguments are wrong still takes its turn in the call: without that the others
+    # paired their call with its next one, and summed different tensors
+    world = World(3, group_timeout_s=5)
+    try:
+        results = world.run(refused_on_one_rank, timeout=120)
+    finally:
+        world.close()
+    expected = 10.0 * (1 + 2 + 3)
+    for rank, outcomes in enumerate(results):
+        for kind, outcome, quick_and_untouched, y in outcomes[:5]:
+            assert quick_and_untouched and y == expected, (rank, kind, outcome, y)
+            if rank == 1:
+                assert outcome.startswith(("ValueError", "TypeError")), (kind, outcome)
+            else:
+                assert outcome.startswith("ValueError") and "rank(s) 1 could not prepare the call (its arguments" \
+                    in outcome, (rank, kind, outcome)
+        kind, outcome, _, _ = outcomes[5]
+        assert kind == "unchecked" and outcome.startswith("ValueError" if rank == 1 else "RuntimeError"), outcome
+    assert "unknown codec 'int8'" in results[1][6], results[1][6]  # rank 1's group is unusable, saying why
 
 
 def out_of_memory_on_one_rank(rank, size, victim, check_call):
@@ -670,6 +743,36 @@ def world_of_one(rank, size):
     return torch.equal(x, y), torch.equal(z, x.half().float())
 
 
+def shutdown_in_a_callback(rank, size):
+    """gradsync.shutdown() in a future's callback, on gradsync's own thread: refused, not a crash.
+    Rank 1 makes its call only after rank 0 has attached the callback, so that the callback runs
+    when the call completes, on the thread that completes it."""
+    seen = []
+
+    def callback(future):
+        try:
+            gradsync.shutdown()
+            seen.append("no error")
+        except RuntimeError as e:
+            seen.append(str(e))
+    if rank == 0:
+        done = gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+        dist.barrier()
+        done.wait()
+    else:
+        dist.barrier()
+        gradsync.all_reduce(torch.ones(4))
+    x = torch.ones(4)
+    gradsync.all_reduce(x, op="sum")  # the engine goes on
+    return seen, x.tolist()
+
+
+def test_shutdown_in_a_callback_raises(worlds):
+    (seen, x), (_, y) = worlds(2).run(shutdown_in_a_callback)
+    assert len(seen) == 1 and "cannot run on gradsync's communication thread" in seen[0], seen
+    assert x == y == [2.0] * 4
+
+
 def test_world_of_one_applies_the_codec_and_nothing_else(worlds):
     assert worlds(1).run(world_of_one) == [(True, True)]
 
@@ -795,6 +898,13 @@ def test_scales():
         resolve_scales(premul(float("inf")), 4)
     with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
         resolve_scales(dist.ReduceOp.PREMUL_SUM, 4)
+    # the kernels apply the factors in float32: each must be finite and non-zero there
+    for kwargs in (dict(prescale=1e-50), dict(prescale=1e39), dict(postscale=1e-50)):
+        with pytest.raises(ValueError, match="finite, non-zero float32"):
+            resolve_scales("sum", 4, **kwargs)
+    with pytest.raises(ValueError, match="the postscale it leaves must be a finite, non-zero float32"):
+        resolve_scales("sum", 4, prescale=1e-40)
+    assert resolve_scales("sum", 4, prescale=2.0**-100) == (2.0**-100, 2.0**100)
 
 
 @pytest.mark.parametrize("call,error,words", [

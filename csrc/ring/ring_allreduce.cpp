@@ -2,6 +2,8 @@
 
 #include <cstring>
 #include <functional>
+#include <iomanip>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -147,14 +149,16 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
   }
   if (unprepared.tellp()) {
     throw std::invalid_argument(op + ": group rank(s) " + unprepared.str() + " could not prepare the call "
-                                "(allocating its workspaces, for one) and raise the reason there; no rank has "
-                                "written anything");
+                                "(its arguments, or allocating its workspaces) and raise the reason there; no rank "
+                                "has written anything");
   }
   std::ostringstream diff;
   const auto describe = [&](const RingCall& c) {
-    diff << "numel " << c.numel << ", dtype " << dtype_name(c.dtype) << ", codec " << codec_name(c.codec)
-         << ", prescale " << c.prescale << ", postscale " << c.postscale << ", schedule "
-         << (c.direct ? "direct" : "ring") << ", operation " << (c.scatter ? "reduce_scatter" : "all_reduce");
+    // every field, and the scales to the last bit, as the records are compared byte for byte
+    diff << std::setprecision(std::numeric_limits<float>::max_digits10) << "numel " << c.numel << ", dtype "
+         << dtype_name(c.dtype) << ", codec " << codec_name(c.codec) << ", prescale " << c.prescale << ", postscale "
+         << c.postscale << ", slices of " << c.slice_elems << " elements, schedule " << (c.direct ? "direct" : "ring")
+         << ", operation " << (c.scatter ? "reduce_scatter" : "all_reduce");
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
