@@ -41,6 +41,7 @@ order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
 _engines = {}
+_stopping = {}  # group -> its engine, while shutdown() waits for its calls
 _engines_lock = threading.Lock()
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
@@ -203,6 +204,9 @@ def _engine(group, tensor):
         engine = _engines.get(group)
         if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
             raise RuntimeError(_broken[group])
+        if engine is None and group in _stopping:  # ... as they would the calls the old engine is finishing
+            raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile (from "
+                               "another thread, or a callback) would start a second engine on the group")
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group)
     if tensor.is_cuda and _uses_nccl(group):
@@ -430,10 +434,17 @@ def shutdown():
     if _C._on_engine_thread():  # it would wait for the very call whose callback is running
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
                            "all-reduce's future); call it from the thread that issued the calls")
-    while _engines:  # in the order they were made: a call's callbacks may issue calls on groups made after it
-        group = next(iter(_engines))
-        engine = _engines.pop(group)
-        engine.stop()
+    while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
+        with _engines_lock:
+            if not _engines:
+                return
+            group = next(iter(_engines))
+            engine = _stopping[group] = _engines.pop(group)
+        try:
+            engine.stop()
+        finally:
+            with _engines_lock:
+                del _stopping[group]
         if engine.broken:
             _broken[group] = engine.broken
         if not _group_is_live(group):
@@ -445,9 +456,13 @@ def _forget_engines_in_forked_child():
     would wait for its thread forever, at exit too. The child leaves them alone; its first
     all-reduce on a group starts an engine of its own. (All-reduces issued before the fork do not
     complete in the child.)"""
-    for engine in _engines.values():
+    global _engines_lock, _attach_locks
+    for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     _engines.clear()
+    _stopping.clear()
+    # a lock another thread of the parent held stays held in the child, whose copy has no such thread
+    _engines_lock, _attach_locks = threading.Lock(), weakref.WeakKeyDictionary()
 
 
 atexit.register(shutdown)

@@ -767,6 +767,43 @@ def shutdown_in_a_callback(rank, size):
     return seen, x.tolist()
 
 
+def call_while_shutting_down(rank, size):
+    """A callback that issues a call on the group while shutdown() finishes the group's calls: it
+    raises, rather than start a second engine whose tags would meet the first one's. Rank 1 makes
+    its call once rank 0's shutdown() is waiting for it."""
+    seen = []
+
+    def callback(future):
+        try:
+            gradsync.all_reduce(torch.ones(4))
+            seen.append("no error")
+        except RuntimeError as e:
+            seen.append(str(e))
+    if rank == 0:
+        gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+        stopper = threading.Thread(target=gradsync.shutdown)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while not gradsync.distributed._stopping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        dist.barrier()
+        stopper.join(30)
+        assert not stopper.is_alive()
+    else:
+        dist.barrier()
+        gradsync.all_reduce(torch.ones(4))
+        gradsync.shutdown()
+    x = torch.ones(4)
+    gradsync.all_reduce(x, op="sum")  # a new engine on each rank
+    return seen, x.tolist()
+
+
+def test_a_call_while_shutdown_finishes_the_groups_calls_raises(worlds):
+    (seen, x), (_, y) = worlds(2).run(call_while_shutting_down)
+    assert len(seen) == 1 and "gradsync.shutdown() is finishing this group's calls" in seen[0], seen
+    assert x == y == [2.0] * 4
+
+
 def test_shutdown_in_a_callback_raises(worlds):
     (seen, x), (_, y) = worlds(2).run(shutdown_in_a_callback)
     assert len(seen) == 1 and "cannot run on gradsync's communication thread" in seen[0], seen
