@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _check_scale, all_reduce, reduce_scatter
+from .distributed import _check_flag, _check_scale, _resolve_group, all_reduce, reduce_scatter
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -155,7 +155,10 @@ class GradSyncState:
                 old_layout[:] = kept
 
 
-_default_states = {}  # the state of hooks registered with None or a ProcessGroup, per group
+# the state of hooks registered with None or a ProcessGroup, per group (None: the default group at
+# the time): held weakly, so that a destroyed group, or the default group of an earlier
+# init_process_group, takes its residuals and its record of agreed buckets with it
+_default_states = weakref.WeakKeyDictionary()
 
 
 def _forget(state_ref, table, key):
@@ -168,9 +171,10 @@ def _forget(state_ref, table, key):
 
 def _resolve_state(state):
     if state is None or isinstance(state, dist.ProcessGroup):
-        if state not in _default_states:
-            _default_states[state] = GradSyncState(state)
-        return state, _default_states[state]
+        group = _resolve_group(state)
+        if group not in _default_states:  # its settings only: holding the group would keep it (and this entry) alive
+            _default_states[group] = GradSyncState()
+        return state, _default_states[group]
     if isinstance(state, HierarchicalState):  # its process group is the one across nodes only
         raise TypeError("a gradsync.hooks.HierarchicalState is the state of hierarchical_hook alone")
     if isinstance(state, GradSyncState):

@@ -1353,6 +1353,27 @@ def dropped_state_frees(make, table, get):
     return residual() is None
 
 
+def default_states_follow_their_groups(rank, size):
+    """The state made for hooks registered with a group (or None) goes with its group."""
+    sub = dist.new_group([0, 1])
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(sub, hooks.fp16_compress_hook)
+    x, y = batch(rank, 0)
+    F.mse_loss(ddp(x), y).backward()
+    same = hooks._resolve_state(None)[1] is hooks._resolve_state(dist.group.WORLD)[1]  # one group, one state
+    state = weakref.ref(hooks._resolve_state(sub)[1])
+    del ddp
+    gradsync.shutdown()  # its engines hold their groups
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    return same, state() is None
+
+
+def test_the_state_of_a_group_goes_with_the_group(worlds):
+    assert all(all(r) for r in worlds(2).run(default_states_follow_their_groups))
+
+
 def mismatched_hooks(rank, size):
     """fp16 on one rank, bf16 on the other: the same bytes on the wire, so only the check can tell.
     Three steps (DDP rebuilds its buckets after the first): a failed check proves nothing, so every
