@@ -89,6 +89,17 @@ class GradSyncState:
         self.__dict__.update(state)
         self._process_group = None
 
+    def __deepcopy__(self, memo):
+        """A copy in this process (``copy.deepcopy`` of a DDP model, ``AveragedModel``, which copy its
+        hooks' states): the same settings and the same process group, a process-wide handle that is
+        shared, not copied; residuals and the record of agreed buckets start afresh, as a loaded
+        state's do (they belong to the original's parameters)."""
+        copy = object.__new__(type(self))
+        memo[id(self)] = copy
+        copy.__dict__.update(self.__dict__)
+        copy._residuals, copy._checked = {}, {}
+        return copy
+
     def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
         (numel, dtype, codec, scaling): until one such all-reduce has succeeded, and again whenever
@@ -260,6 +271,7 @@ class HierarchicalState(GradSyncState):
     1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its buckets
     after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
     TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
+    ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups.
     """
 
     def __init__(self, local_size: Optional[int] = None, codec: str = "fp8_e4m3", error_feedback: bool = False, *,
@@ -278,6 +290,11 @@ class HierarchicalState(GradSyncState):
     def __getstate__(self):
         raise TypeError("a gradsync.hooks.HierarchicalState holds process groups, which cannot be saved: make a new "
                         "one after loading a checkpoint (every rank, as making it is collective)")
+
+    def __deepcopy__(self, memo):  # as GradSyncState's: the groups shared, the residuals afresh
+        copy = super().__deepcopy__(memo)
+        copy._shard_residuals = {}
+        return copy
 
     def shard_residual(self, bucket: dist.GradBucket, numel: int, device: torch.device) -> torch.Tensor:
         params = tuple(id(p) for p in bucket.parameters())

@@ -1353,6 +1353,33 @@ def dropped_state_frees(make, table, get):
     return residual() is None
 
 
+def copied_hook_states(rank, size):
+    """copy.deepcopy of a DDP model with gradsync hooks (AveragedModel makes one): the copy of each
+    state shares its groups, and its residuals start afresh."""
+    results = []
+    for state, hook in [(hooks.GradSyncState(dist.new_group(list(range(size))), error_feedback=True),
+                         hooks.allreduce_hook),
+                        (hooks.HierarchicalState(2, error_feedback=True), hooks.hierarchical_hook)]:
+        ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+        ddp.register_comm_hook(state, hook)
+        x, y = batch(rank, 0)
+        F.mse_loss(ddp(x), y).backward()
+        torch.optim.swa_utils.AveragedModel(ddp)
+        (_, copied), = copy.deepcopy(ddp)._comm_hooks
+        groups = [g for g in ("process_group", "local_group", "cross_group") if hasattr(state, g)]
+        results.append((copied is not state, type(copied) is type(state),
+                        all(getattr(copied, g) is getattr(state, g) for g in groups),
+                        not copied._residuals and not getattr(copied, "_shard_residuals", {}),
+                        bool(state._residuals or getattr(state, "_shard_residuals", {}))))
+    return results
+
+
+def test_a_copied_ddp_model_shares_its_hook_states_groups(worlds):
+    # per state: a new object, of its type, with the same groups, no residuals, where the original has some
+    for results in worlds(2).run(copied_hook_states):
+        assert results == [(True,) * 5] * 2, results
+
+
 def default_states_follow_their_groups(rank, size):
     """The state made for hooks registered with a group (or None) goes with its group."""
     sub = dist.new_group([0, 1])
