@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import gradsync
-from conftest import FLOAT_DTYPES, float_bits, random_bits_floats, random_floats, same_bits
+from conftest import CPU_ISAS, FLOAT_DTYPES, float_bits, random_bits_floats, random_floats, same_bits
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Per-element error bound of the block-scaled fp8 codecs, for a block with decode scale d = 2^-k:
@@ -192,6 +192,37 @@ def test_fp8_scalar_and_vector_paths_agree_bitwise():
             decoded.append(gradsync.decompress(payload, codec, codes.numel()).view(torch.int32))
         assert torch.equal(*decoded), codec
     _C.set_cpu_isa("auto")
+
+
+@pytest.mark.parametrize("codec", FP8)
+def test_fp8_paths_agree_with_denormals_flushed(codec):
+    # torch.set_flush_denormal(True) flushes subnormal operands to zero: no path may rely on one,
+    # as the vector encode's multiplier for e4m3 blocks near FLT_MAX once did (every code zero)
+    from gradsync import _C
+    g = torch.Generator().manual_seed(3)
+    # absmax 2e38: in (2^127, 1.75 * 2^127], where e4m3's multiplier on fp16's scale is 2^-127
+    x = torch.cat([torch.linspace(-1, 1, 128) * 2e38, torch.randn(128, generator=g) * 1e-30,
+                   torch.randn(128, generator=g)])
+    expected = gradsync.compress(x, codec)  # no input is subnormal: flushing must change no code
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for isa in CPU_ISAS:
+            _C.set_cpu_isa(isa)
+            assert torch.equal(gradsync.compress(x, codec), expected), (codec, isa)
+    finally:
+        torch.set_flush_denormal(False)
+        _C.set_cpu_isa("auto")
+
+
+def test_fp8_blocks_without_a_finite_non_zero_value_have_scale_one():
+    # the layout's rule in README ("The fp8 payload"): such a block's scale is 1
+    x = torch.zeros(384)
+    x[128:256], x[256:] = float("inf"), float("nan")
+    for codec in FP8:
+        payload = gradsync.compress(x, codec)
+        scales = payload[gradsync.payload_nbytes(codec, 384) - 12:].view(torch.float32)
+        assert scales.tolist() == [1.0, 1.0, 1.0], (codec, scales)
 
 
 def results_at_every_alignment(n, dtype, write):

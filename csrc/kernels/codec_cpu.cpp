@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "codec.h"
 
@@ -472,10 +473,11 @@ GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
   int64_t i = 0;
   // Finite blocks take the short loop, all but those whose saturation point is lowered (absmax
-  // above 1.75 * 2^127). The multiplier is exact even where it is subnormal, and a product it
-  // leaves subnormal rounds to zero either way.
+  // above 1.75 * 2^127), and those whose multiplier would be subnormal (e4m3 blocks of absmax
+  // above 2^127): with denormals treated as zero (torch.set_flush_denormal) it would be zero. A
+  // product the multiplier leaves subnormal rounds to code zero either way.
   const float half_mul = mul * pow2(kBias - 15);
-  if (kAllFinite && max_code == T::kMaxCode) {
+  if (kAllFinite && max_code == T::kMaxCode && half_mul >= std::numeric_limits<float>::min()) {
     const __m256 hm = _mm256_set1_ps(half_mul);
     for (; i + 16 <= n; i += 16) {
       const __m128i low = fp8_halves_finite8<F>(_mm256_mul_ps(_mm256_loadu_ps(v + i), hm));
