@@ -224,12 +224,13 @@ void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec,
 // name the problem, and decide shared memory element by element). `buf`: the contiguous buffer the
 // tensors are copied to or from (its first `numel` elements), which a tensor may share memory with
 // only as its own segment; `written`: the tensors are written, so they must not require grad under
-// grad mode, be expanded, or share memory with each other.
+// grad mode, be inference tensors outside inference mode, be expanded, or share memory with each other.
 int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<at::Tensor>& buf, bool written) {
   if (buf && (!buf->defined() || !buf->is_contiguous() || buf->layout() != at::kStrided)) return -1;
   if (tensors.empty()) return 0;
   const at::Device device = buf ? buf->device() : tensors[0].device();
   const bool grad_mode = at::GradMode::is_enabled();
+  const bool inference_mode = c10::InferenceMode::is_enabled();
   struct Span {
     uintptr_t start, end;
     bool own;  // exactly its own segment of `buf`, in its dtype
@@ -243,7 +244,7 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
     const at::ScalarType type = t.scalar_type();
     if (t.layout() != at::kStrided || !(t.is_cpu() || t.is_cuda()) || t.device() != device ||
         (type != at::kFloat && type != at::kHalf && type != at::kBFloat16) ||
-        (written && grad_mode && t.requires_grad())) {
+        (written && ((grad_mode && t.requires_grad()) || (!inference_mode && t.is_inference())))) {
       return -1;
     }
     const int64_t n = t.numel();

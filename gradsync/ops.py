@@ -99,9 +99,18 @@ def _check_float_dtype(dtype, name):
 def _check_scale(scale, name="scale"):
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
-    if not _compiling() and not math.isfinite(scale):  # a traced scale may be symbolic
-        raise ValueError(f"{name} must be finite, got {scale}")
+    if _compiling():  # a traced scale may be symbolic
+        return scale
+    try:  # the kernels apply it in float32: it must be finite there too
+        finite = math.isfinite(scale) and abs(float(scale)) <= _FLOAT32_MAX
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be finite in float32 (at most {_FLOAT32_MAX:.7g} in magnitude), got {scale}")
     return float(scale)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_codec(codec):
@@ -297,10 +306,13 @@ def _shares(a, b, a_name, b_name):
 
 
 def _check_writable(t, name):
-    """The kernels write behind autograd's back: refuse tensors autograd would track."""
+    """The kernels write behind autograd's back: refuse tensors autograd would track, and, as
+    torch's in-place ops do, inference tensors outside inference mode."""
     if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} requires grad, and gradsync's kernels are not differentiable: write into it "
                          "under torch.no_grad() (or pass its .detach())")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} is an inference tensor, which can be written only inside torch.inference_mode()")
 
 
 def _mark_written(tensors):

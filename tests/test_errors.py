@@ -18,6 +18,9 @@ x = torch.randn(10)
     (lambda: gradsync.flatten([x], dtype=torch.int32), TypeError, "dtype must be"),
     (lambda: gradsync.flatten([x], scale="2"), TypeError, "scale must be a real number"),
     (lambda: gradsync.flatten([x], scale=float("inf")), ValueError, "scale must be finite"),
+    (lambda: gradsync.flatten([x], scale=1e39), ValueError, "scale must be finite in float32"),
+    (lambda: gradsync.compress(x, "fp16", scale=10**400), ValueError, "scale must be finite in float32"),
+    (lambda: gradsync.decompress(x.half(), "fp16", 10, scale=-1e39), ValueError, "scale must be finite in float32"),
     (lambda: gradsync.flatten([]), ValueError, "tensors is empty"),
     (lambda: gradsync.flatten([x], out=torch.empty(9)), ValueError, "out has shape (9,)"),
     (lambda: gradsync.flatten([x], out=torch.empty(2, 5)), ValueError, "out has shape (2, 5)"),
@@ -97,6 +100,7 @@ def test_the_operators_guard_the_kernels_too():
 
 def _overlapping_calls():
     a = torch.arange(10.0)
+    b = torch.arange(20.0)
     h = torch.arange(10.0).half()
     u8 = torch.zeros(64, dtype=torch.uint8)
     m = torch.zeros(5, 2)
@@ -104,14 +108,17 @@ def _overlapping_calls():
         (lambda: gradsync.flatten([a[:4], a[4:8]], out=a[2:10]), "tensors[0] shares memory with out"),
         (lambda: gradsync.flatten([a[4:8], a[:4]], out=a[:8]), "tensors[0] shares memory with out"),
         (lambda: gradsync.flatten([a[::2]], out=a[:5]), "tensors[0] shares memory with out"),
-        (lambda: gradsync.flatten([a[:5].view(torch.int32).view(torch.float32)[:2].half()], out=h[:2]), None),
+        # views of one storage that meet but share no byte, in other dtypes too
+        (lambda: gradsync.flatten([a[:2]], dtype=torch.float16, out=a[2:3].view(torch.float16)), None),
+        (lambda: gradsync.flatten([a[:2]], dtype=torch.float16, out=a[1:2].view(torch.float16)),
+         "tensors[0] shares memory with out"),
         (lambda: gradsync.unflatten(a, [a[1:6]]), "tensors[0] shares memory with flat"),
         (lambda: gradsync.unflatten(h, [h[:5].float()[:0], a[:5]]), None),
         (lambda: gradsync.unflatten(torch.randn(8), [a[:4], a[2:6]]), "tensors[0] and tensors[1] share memory"),
         (lambda: gradsync.unflatten(torch.randn(20), [a, a]), "tensors[0] and tensors[1] share memory"),
         (lambda: gradsync.compress(a[1:], "none", out=a[:9]), "x shares memory with out"),
         (lambda: gradsync.compress(a[:8], "fp8_e4m3", out=a.view(torch.uint8)[:20]), "x shares memory with out"),
-        (lambda: gradsync.decompress(h, "fp16", 10, dtype=torch.float16, out=h.flip(0).flip(0)), None),
+        (lambda: gradsync.decompress(h[:5], "fp16", 5, dtype=torch.float16, out=h[5:]), None),
         (lambda: gradsync.decompress(u8[:20], "fp8_e4m3", 10, out=u8[4:44].view(torch.float32)),
          "payload shares memory with out"),
         (lambda: gradsync.decompress(h[:4], "fp16", 4, out=h[:8].view(torch.float32)), "payload shares memory with out"),
@@ -122,7 +129,8 @@ def _overlapping_calls():
         (lambda: gradsync.unflatten(torch.randn(8), [m[:2, 0], m[2:, :].t()]), None),
         (lambda: gradsync.flatten([a[1::4][:2]], out=a[2:4]), None),
         (lambda: gradsync.flatten([a[1::4][:2]], out=a[4:6]), "tensors[0] shares memory with out"),
-        (lambda: gradsync.compress(m.t()[0], "none", out=m.t()[1].contiguous()), None),
+        (lambda: gradsync.compress(b[0:9:2], "none", out=b[9:14]), None),
+        (lambda: gradsync.compress(b[1:10:2], "none", out=b[9:14]), "x shares memory with out"),
         # a destination holding one address twice
         (lambda: gradsync.unflatten(torch.randn(4), [torch.zeros(3).as_strided((2, 2), (1, 1))]),
          "tensors[0] overlaps itself"),
@@ -263,6 +271,21 @@ def test_writes_bump_autograd_versions_and_refuse_tracked_tensors():
         gradsync.decompress(torch.randn(6).half(), "fp16", 6, out=torch.empty(6, requires_grad=True))
     with torch.no_grad():
         gradsync.unflatten(torch.randn(6), [w])  # as torch allows in-place writes to leaves under no_grad
+
+
+def test_inference_tensors_are_written_only_in_inference_mode():
+    with torch.inference_mode():
+        made = torch.zeros(6)
+        gradsync.unflatten(torch.ones(6), [made])  # as torch's in-place ops may
+    assert made.tolist() == [1.0] * 6
+    for write in (lambda: gradsync.unflatten(torch.ones(6), [made]),
+                  lambda: gradsync.flatten([torch.ones(6)], out=made),
+                  lambda: gradsync.decompress(torch.ones(6).half(), "fp16", 6, out=made)):
+        with pytest.raises(ValueError, match="inference tensor, which can be written only inside"):
+            write()
+    assert made.tolist() == [1.0] * 6
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        made.copy_(torch.zeros(6))  # torch's own rule
 
 
 def test_codec_and_flags_are_type_checked():
