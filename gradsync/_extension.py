@@ -7,7 +7,8 @@ import importlib
 
 import torch
 
-REBUILD_HINT = "reinstall gradsync against the running torch: pip install --no-build-isolation --no-deps --force-reinstall ."
+REBUILD_HINT = ("reinstall gradsync against the running torch: pip install --no-build-isolation --no-deps "
+                "--force-reinstall . (-e . for an editable install)")
 
 
 def _minor(version):
@@ -20,6 +21,8 @@ def incompatibility(built_torch, built_cuda, running_torch, running_cuda):
         return f"it was built for torch {built_torch} but torch {running_torch} is installed"
     if built_cuda is not None and running_cuda is None:
         return f"it was built for the CUDA {built_cuda} build of torch {built_torch} but torch {running_torch} is a CPU build"
+    if built_cuda is not None and built_cuda.split(".")[0] != running_cuda.split(".")[0]:  # another CUDA runtime
+        return f"it was built for CUDA {built_cuda} but torch {running_torch} runs CUDA {running_cuda}"
     return None
 
 

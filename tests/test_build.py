@@ -76,6 +76,9 @@ def test_incompatibility_reasons():
         "2.14.1+cu130", "13.0", "2.13.0+cpu", None)
     assert "is a CPU build" in _extension.incompatibility("2.14.1+cu130", "13.0", "2.14.1+cpu", None)
     assert _extension.incompatibility("2.14.1+cpu", None, "2.14.1+cu130", "13.0") is None
+    assert "built for CUDA 13.0 but torch 2.14.1+cu126 runs CUDA 12.6" in _extension.incompatibility(
+        "2.14.1+cu130", "13.0", "2.14.1+cu126", "12.6")
+    assert _extension.incompatibility("2.14.1+cu130", "13.0", "2.14.1+cu131", "13.1") is None
 
 
 def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
