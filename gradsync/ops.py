@@ -311,7 +311,7 @@ def _check_writable(t, name):
     if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} requires grad, and gradsync's kernels are not differentiable: write into it "
                          "under torch.no_grad() (or pass its .detach())")
-    if t.is_inference() and not torch.is_inference_mode_enabled():
+    if not _compiling() and t.is_inference() and not torch.is_inference_mode_enabled():  # Dynamo cannot trace it
         raise ValueError(f"{name} is an inference tensor, which can be written only inside torch.inference_mode()")
 
 
