@@ -6,7 +6,7 @@
 #   tests_cuda.log   the CUDA tests (and the build tests that need a CUDA build)
 #   bench.log        every benchmark's table and the cost model's projections from them
 #   bench_kernels_cuda.json, bench_kernels_cuda.png, bench_allreduce_cuda_1rank.json, bench_nccl_hop.json
-# Each file is complete as soon as its step ends, so a run cut short keeps what it measured. Target:
+# Each file is written as its step runs, so a run cut short keeps what it measured. Target:
 # about 6 minutes on one H200 (the build included); every step has a time limit, and a step that
 # would end past BUDGET seconds (default 540) is skipped, so that one run stays within a 10-minute
 # command and a second run still fits a 15-minute lease. The CPU tests are left to CI.

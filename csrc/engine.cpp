@@ -384,7 +384,14 @@ void RingEngine::execute(Job& job) {
             [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
   }
   if (unprepared) {
-    if (!o.check_call && n > 1) mark_unusable(unprepared_what);  // the peers are in the ring, waiting for this rank
+    if (!o.check_call && n > 1) {  // the peers are in the ring, waiting for this rank
+      if (job.refusal.empty()) {
+        mark_unusable(unprepared_what);
+      } else {
+        broken_ = "gradsync: a call on this group was refused here with check_call=False, so its peers, already in "
+                  "the ring, could not be told, and the group's ring is unusable: " + job.refusal;
+      }
+    }
     std::rethrow_exception(unprepared);
   }
   if (direct) {

@@ -71,7 +71,8 @@ void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the ker
 }
 
 void check_scale(double scale) {  // ops.py checks it too, except for a scale traced by torch.compile
-  TORCH_CHECK(std::isfinite(scale), "gradsync: scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(static_cast<float>(scale)), "gradsync: scale must be finite in float32 (as the kernels "
+              "apply it), got ", scale);
 }
 
 void check_same_device(const at::Tensor& flat, const at::Tensor& t) {

@@ -218,10 +218,16 @@ def _engine(group, tensor):
             with attach_lock:
                 if engine.nccl_device < 0:
                     _attach_nccl(engine, group, tensor.device)
-        if engine.nccl_device != tensor.device.index:
-            raise ValueError(f"tensor is on {tensor.device}, but this rank's gradsync NCCL communicator for the group "
-                             f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
+        _check_nccl_device(tensor, group)
     return engine
+
+
+def _check_nccl_device(tensor, group):
+    """A CUDA tensor on the device of the group's gradsync NCCL communicator, where there is one."""
+    engine = _engines.get(group)
+    if tensor.is_cuda and engine is not None and 0 <= engine.nccl_device != tensor.device.index:
+        raise ValueError(f"tensor is on {tensor.device}, but this rank's gradsync NCCL communicator for the group "
+                         f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
 
 
 def _uses_nccl(group):
@@ -289,6 +295,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
             _check_residual(residual, tensor)
         group = _resolve_group(group)
         _check_backend(tensor, "tensor", group)
+        _check_nccl_device(tensor, group)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
         _check_not_capturing(tensor, "all_reduce")
     handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
@@ -323,13 +330,27 @@ def _refused_on_error(group, tensor, check_call, scatter):
 def _refuse(group, tensor, check_call, scatter, error):
     try:
         group = _resolve_group(group)
-        device = tensor.device if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda" else "cpu"
-        placeholder = torch.empty(0, dtype=torch.float32, device=device)
-        if group.size() == 1 or (placeholder.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if group.size() == 1:
             return
+        engine = _engines.get(group)
+        if str(dist.get_backend(group)).lower() == "nccl":  # the peers' check runs over gradsync's NCCL communicator
+            device = torch.device("cuda", engine.nccl_device if engine is not None and engine.nccl_device >= 0
+                                  else torch.cuda.current_device())
+        elif isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            device = tensor.device
+        else:
+            device = torch.device("cpu")
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return
+        placeholder = torch.empty(0, dtype=torch.float32, device=device)
+        try:
+            checked = _check_flag(check_call, "check_call")
+        except TypeError:  # what the peers most likely pass: the default
+            checked = True
         engine = _engine(group, placeholder)
-        engine.refuse(placeholder, scatter, check_call is not False, _slice_bytes(engine, placeholder),
-                      f"{type(error).__name__}: {error}")
+        engine.refuse(placeholder, scatter, checked, _slice_bytes(engine, placeholder), f"{type(error).__name__}: {error}")
     except Exception:  # the peers cannot be told: they wait for this rank until the group's timeout
         pass
 
@@ -403,6 +424,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
             raise ValueError("output overlaps input other than as this rank's own chunk of it "
                              f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
         _check_backend(input, "input", group)
+        _check_nccl_device(input, group)
         prescale, postscale = resolve_scales(op, n, prescale, postscale)
         _check_not_capturing(input, "reduce_scatter")
     engine = _engine(group, input)
@@ -443,10 +465,10 @@ def shutdown():
         try:
             engine.stop()
         finally:
-            with _engines_lock:
+            with _engines_lock:  # why it is unusable, before a new engine can be made for the group
+                if engine.broken:
+                    _broken[group] = engine.broken
                 del _stopping[group]
-        if engine.broken:
-            _broken[group] = engine.broken
         if not _group_is_live(group):
             engine.abandon_group()
 

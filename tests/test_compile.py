@@ -128,6 +128,10 @@ def test_compiled_calls_keep_the_checks_that_need_no_address():
         torch.compile(lambda x: gradsync.compress(x, "fp4"), backend="aot_eager", fullgraph=True)(torch.randn(8))
     with pytest.raises(Exception, match="gradsync takes float32, float16 or bfloat16"):
         torch.compile(lambda x: gradsync.flatten([x]), backend="aot_eager", fullgraph=True)(torch.ones(4, dtype=torch.int32))
+    # a scale the trace cannot check: the operator refuses what float32 cannot hold
+    with pytest.raises(Exception, match="scale must be finite in float32"):
+        torch.compile(lambda x, s: gradsync.compress(x, "fp16", scale=s), backend="aot_eager", fullgraph=True)(
+            torch.randn(8), 1e39)
     overlapping = torch.zeros(16).as_strided((4, 4), (2, 1))  # elements that share addresses
     with pytest.raises(Exception, match="cannot be checked under torch.compile"):
         torch.compile(lambda f, t: gradsync.unflatten(f, [t]), backend="aot_eager", fullgraph=True)(torch.randn(16),
