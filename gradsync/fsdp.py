@@ -211,9 +211,9 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     modules over a 1-D mesh of the ranks that share a replica (``mesh["shard"]``); a module sharded
     over a 2-D mesh already all-reduces across replicas itself, and raises. ``group`` must hold one
     rank per replica of the same shard: checked here, collectively over ``group`` (a ValueError
-    otherwise, as for the shard group; ``None`` raises TypeError). With ``error_feedback`` it also makes the
-    modules reduce-scatter every parameter in every step (see :class:`ReduceScatter`). Returns how
-    many modules it found (those that manage parameters). Call it on every rank after
+    otherwise, as for the shard group; ``None`` raises TypeError). With ``error_feedback`` it also
+    makes the modules reduce-scatter every parameter in every step (see :class:`ReduceScatter`).
+    Returns how many modules it found (those that manage parameters). Call it on every rank after
     ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_replica_all_reduce")
     for m, groups in found:

@@ -473,8 +473,8 @@ GS_AVX2 inline void fp8_codes_avx2(const float* v, int64_t n, float mul, uint32_
   constexpr int kBias = (1 << (T::kExpBits - 1)) - 1;
   int64_t i = 0;
   // Finite blocks take the short loop, all but those whose saturation point is lowered (absmax
-  // above 1.75 * 2^127), and those whose multiplier would be subnormal (e4m3 blocks of absmax
-  // above 1.75 * 2^126): with denormals treated as zero (torch.set_flush_denormal) it would be zero. A
+  // above 1.75 * 2^127) and those whose multiplier would be subnormal (e4m3 blocks of absmax above
+  // 1.75 * 2^126), which denormals treated as zero (torch.set_flush_denormal) would make zero. A
   // product the multiplier leaves subnormal rounds to code zero either way.
   const float half_mul = mul * pow2(kBias - 15);
   if (kAllFinite && max_code == T::kMaxCode && half_mul >= std::numeric_limits<float>::min()) {
