@@ -230,6 +230,11 @@ def _check_nccl_device(tensor, group):
                          f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
 
 
+def _nccl_only(group):
+    """Whether NCCL is the group's only backend (CUDA tensors only)."""
+    return str(dist.get_backend(group)).lower() == "nccl"
+
+
 def _uses_nccl(group):
     """Whether the group moves CUDA tensors with NCCL ("nccl", or "cuda:nccl" in a combined backend)."""
     backend = str(dist.get_backend(group)).lower()
@@ -297,7 +302,6 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         _check_backend(tensor, "tensor", group)
         _check_nccl_device(tensor, group)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-        _check_not_capturing(tensor, "all_reduce")
     handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
     if async_op:
         return handle
@@ -333,7 +337,7 @@ def _refuse(group, tensor, check_call, scatter, error):
         if group.size() == 1:
             return
         engine = _engines.get(group)
-        if str(dist.get_backend(group)).lower() == "nccl":  # the peers' check runs over gradsync's NCCL communicator
+        if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
             device = torch.device("cuda", engine.nccl_device if engine is not None and engine.nccl_device >= 0
                                   else torch.cuda.current_device())
         elif isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
@@ -377,7 +381,7 @@ def _check_not_capturing(t, caller):
 
 
 def _check_backend(t, name, group):
-    if not t.is_cuda and str(dist.get_backend(group)).lower() == "nccl":
+    if not t.is_cuda and _nccl_only(group):
         raise ValueError(f"{name} is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it "
                          "to this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
 

@@ -101,8 +101,8 @@ def _check_scale(scale, name="scale"):
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
     if _compiling():  # a traced scale may be symbolic
         return scale
-    try:  # the kernels apply it in float32: it must be finite there too
-        finite = math.isfinite(scale) and abs(float(scale)) <= _FLOAT32_MAX
+    try:  # the kernels apply it in float32: it must be finite there too (NaN compares false)
+        finite = abs(float(scale)) <= _FLOAT32_MAX
     except OverflowError:  # an int beyond any float
         finite = False
     if not finite:
