@@ -382,7 +382,8 @@ class DataParallel(torch.nn.Module, Joinable):
       bucket. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises.
-    - A step whose backward raised is abandoned at the next forward (its calls are waited for).
+    - A step whose backward raised is abandoned at the next forward or backward (its calls are
+      waited for).
     - ``with model.join():`` trains on uneven inputs, as DDP's ``join()`` does (it is a
       ``torch.distributed.algorithms.join.Joinable``, so ``Join([model, ...])`` works too): a
       rank that has run out of batches shadows the others' buffer broadcasts and all-reduces,
@@ -404,8 +405,10 @@ class DataParallel(torch.nn.Module, Joinable):
       part of its gradient would not be averaged.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients. As with DDP, what counts
-      is where the forward ran: the backward of a forward made inside ``no_sync()`` communicates
-      nothing, wherever it runs.
+      is where the forward ran, not the backward: a forward made outside ``no_sync()`` makes the
+      backward passes that follow it communicate (every gradient they produce, that of a forward
+      made inside ``no_sync()`` meanwhile included); a forward made inside stops that once a
+      synchronized backward has run.
     - ``torch.compile(model)``, or wrapping a compiled module, compiles the wrapped module; this
       wrapper's bookkeeping runs eagerly around it. As for DDP, Dynamo's DDPOptimizer splits the
       compiled forward at bucket boundaries (``bucket_cap_mb``, but never below its 1 MiB first
@@ -473,7 +476,12 @@ class DataParallel(torch.nn.Module, Joinable):
         self._walk_members = [[id(t) for t in ts] for ts in _members(module)] == \
             [[id(p) for p in module.parameters()], [id(b) for b in module.buffers()]]
         self._sync = True  # False inside no_sync()
-        self._forward_synced = True  # what the last forward found: its backward communicates
+        self._forward_synced = True  # whether the last forward with gradients ran outside no_sync()
+        # as DDP: a forward outside no_sync() makes the backward passes communicate, and a forward
+        # inside it stops them only once a synchronized step has run since the last one outside
+        self._backward_syncs = True
+        self._sync_pending = False  # a forward outside no_sync() whose step has not run yet
+        self._step_alive = lambda: None  # while the backward of this step runs: its end-of-step callback
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
         self._bucket_cap_mb, self._error_feedback = bucket_cap_mb, error_feedback  # for copies
@@ -667,8 +675,8 @@ class DataParallel(torch.nn.Module, Joinable):
     @_eager_under_compile
     def _before_forward(self):
         self._check_parameters()
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
-            self._abandon_step()  # the last backward raised before its end
+        if self._step_failed():
+            self._abandon_step()
         broadcasts = self._broadcasts_buffers()
         if self._join_config.enable:
             self._check_one_backward_per_forward()  # before any collective of this forward
@@ -676,6 +684,10 @@ class DataParallel(torch.nn.Module, Joinable):
             self._announced = self._announce(joined=False, broadcasts=broadcasts)
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
+            if self._sync:
+                self._backward_syncs = self._sync_pending = True
+            elif not self._sync_pending:
+                self._backward_syncs = False
         if broadcasts:
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
         self._hand_hint_to_dynamo()
@@ -683,7 +695,7 @@ class DataParallel(torch.nn.Module, Joinable):
     @_eager_under_compile
     def _after_forward(self, output):
         self._take_hint_back()
-        if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
+        if self.find_unused_parameters and self._backward_syncs and torch.is_grad_enabled():
             reached = _reached_leaves(output)
             if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one
                 self._walk_failed = True
@@ -825,7 +837,9 @@ class DataParallel(torch.nn.Module, Joinable):
         bucket = self._bucket_of[id(param)]
         if bucket.views is not None and bucket.work is None:
             bucket.adopt(self._index_of[id(param)])
-        if not self._forward_synced:
+        if self._step_failed():
+            self._abandon_step()
+        if not self._backward_syncs:
             self._used.add(id(param))
             return
         if not self._in_backward:
@@ -868,7 +882,14 @@ class DataParallel(torch.nn.Module, Joinable):
                 ranks = len(announced.active)
         self._prescale = 1.0 / ranks
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        finish = self._finish_backward  # autograd holds it until the backward ends, whether it runs or not
+        self._step_alive = weakref.ref(finish)
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    def _step_failed(self):
+        """Whether this step's backward ended without reaching its end (it raised): it is over, or
+        autograd dropped its end-of-step callback with it."""
+        return self._in_backward and (torch._C._current_graph_task_id() == -1 or self._step_alive() is None)
 
     def _reaches(self, param):
         return self._reached is None or id(param) in self._reached
@@ -904,6 +925,7 @@ class DataParallel(torch.nn.Module, Joinable):
         self._reached = None
         self._walk_failed = False
         self._in_backward = False
+        self._sync_pending = False
 
     def _issue(self, force):
         while self._next < len(self._buckets):

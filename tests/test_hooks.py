@@ -874,6 +874,108 @@ def test_data_parallel_skips_the_buffer_broadcast_after_a_no_sync_forward_as_ddp
     assert all(r["dp"] == r["ddp"] for r in results)
 
 
+class TwoLayers(torch.nn.Module):
+    """Two linear layers; ``fail`` makes the first layer's output raise once in backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            def once(grad):
+                if self.fail:
+                    self.fail = False
+                    raise ValueError("backward failed")
+            h.register_hook(once)
+        return h, self.b(torch.tanh(h))
+
+
+def forwards_and_backwards_around_no_sync(rank, size):
+    """Gradients where forwards made outside and inside no_sync() interleave before their backward
+    passes, and where a second backward of a forward follows one that raised: each against this
+    rank's own gradients (a plain copy of the module) and their average over the ranks."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    def expected(run):
+        plain = TwoLayers()
+        run(plain, contextlib.nullcontext)
+        local = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in plain.parameters()]
+        average = [g.clone() for g in local]
+        for g in average:
+            dist.all_reduce(g)
+            g /= size
+        return local, average
+
+    def grads(kind, run):
+        net = TwoLayers()
+        model = {"ddp": DDP, "dp": functools.partial(gradsync.DataParallel, codec="none", bucket_cap_mb=1e-5)}[kind](net)
+        run(model, model.no_sync)
+        return [p.grad.clone() for p in net.parameters()]
+
+    def outside_then_inside(model, no_sync):  # both backward in one pass: it communicates
+        first = model(x)[1]
+        with no_sync():
+            second = model(x)[1]
+        (first.sum() + second.sum()).backward()
+
+    def inside_then_outside(model, no_sync):  # the first backward communicates, and so does the second
+        with no_sync():
+            first = model(x)[1]
+        second = model(x)[1]
+        first.sum().backward()
+        second.sum().backward()
+
+    def accumulated(model, no_sync):
+        with no_sync():
+            model(x)[1].sum().backward()
+        model(2 * x)[1].sum().backward()
+
+    def inside_after_a_step_that_filled_no_grad(model, no_sync):  # that step has not run: it communicates
+        inputs = x.clone().requires_grad_()
+        torch.autograd.grad(model(inputs)[1].sum(), inputs)
+        with no_sync():
+            model(x)[1].sum().backward()
+
+    out = {}
+    cases = [("outside then inside", outside_then_inside), ("inside then outside", inside_then_outside),
+             ("accumulated", accumulated), ("inside after autograd.grad", inside_after_a_step_that_filled_no_grad)]
+    for name, run in cases:
+        local, average = expected(run)
+        out[name] = {kind: (all(torch.allclose(g, a, atol=1e-6) for g, a in zip(grads(kind, run), average)),
+                            all(torch.equal(g, l) for g, l in zip(grads(kind, run), local)))
+                     for kind in (["ddp", "dp"] if name != "inside then outside" else ["dp"])}
+
+    net = TwoLayers()
+    model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=1e-5)
+    net.fail = True
+    h, y = model(x)
+    with pytest.raises(ValueError, match="backward failed"):
+        y.sum().backward(retain_graph=True)  # after the second layer's buckets went out
+    model.zero_grad()
+    h.sum().backward()  # no forward between: this backward abandons the failed one, then communicates
+    _, average = expected(lambda plain, _: plain(x)[0].sum().backward())
+    out["again after a failure"] = all(torch.allclose(p.grad, a, atol=1e-6)
+                                       for p, a in zip(net.a.parameters(), average[:2]))
+    out["b untouched"] = net.b.weight.grad is None
+    model.zero_grad()
+    model(x)[1].sum().backward()  # and the next step is a step like any other
+    out["next step"] = all(torch.allclose(p.grad, a, atol=1e-6)
+                           for p, a in zip(net.parameters(), expected(lambda plain, _: plain(x)[1].sum().backward())[1]))
+    return out
+
+
+def test_data_parallel_forwards_decide_whether_backward_communicates_and_a_retried_backward_does(worlds):
+    results = worlds(2).run(forwards_and_backwards_around_no_sync)
+    for out in results:
+        for name in ("outside then inside", "inside then outside", "accumulated", "inside after autograd.grad"):
+            assert all(averaged and not local for averaged, local in out[name].values()), (name, out[name])
+        assert out["again after a failure"] and out["b untouched"] and out["next step"], out
+
+
 def wrap_again(rank, size):
     net = make_net()
     model = gradsync.DataParallel(net, codec="fp16", bucket_cap_mb=BUCKET_MB)
@@ -1088,11 +1190,6 @@ def data_parallel_steps(rank, size):
             plain(batch(rank, 1 + step)[0])["loss"].backward()
             out[f"after failure {step}"] = (len(calls), digest(grads(plain)))
 
-        calls.clear()
-        x = x.detach().requires_grad_()
-        torch.autograd.grad(plain(x)["loss"], x)  # fills no .grad: nothing to average
-        out["autograd.grad calls"] = len(calls)
-
         for inside in ("forward", "backward"):  # as with DDP, the forward decides
             plain.zero_grad()
             calls.clear()
@@ -1101,6 +1198,11 @@ def data_parallel_steps(rank, size):
             with plain.no_sync() if inside == "backward" else contextlib.nullcontext():
                 loss.backward()
             out[f"no_sync around the {inside}"] = len(calls)
+
+        calls.clear()
+        x = x.detach().requires_grad_()
+        torch.autograd.grad(plain(x)["loss"], x)  # fills no .grad: nothing to average
+        out["autograd.grad calls"] = len(calls)
 
         plain.zero_grad()  # a parameter frozen after wrapping is given no gradient
         plain.module.layers[0].weight.requires_grad_(False)
