@@ -333,7 +333,10 @@ class DataParallel(torch.nn.Module, Joinable):
       DDP's check of shapes does. Then parameters and buffers are broadcast from the group's rank
       0, so every replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast
       again before every training-mode forward but those that follow a forward made inside
-      ``no_sync()`` (once per accumulated step), as DDP does.
+      ``no_sync()`` (once per accumulated step), as DDP does, one broadcast per dtype. Unlike
+      DDP's, that broadcast takes the buffers the module holds now (one replaced since wrapping
+      too), so they must keep the shapes and dtypes they were wrapped with: a broadcasting
+      forward after one changed (a cache grown on demand) raises.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward usually produces them; the first bucket is 1 MiB so that communication starts
@@ -490,6 +493,7 @@ class DataParallel(torch.nn.Module, Joinable):
                                       broadcast_buffers=broadcast_buffers,
                                       gradient_as_bucket_view=gradient_as_bucket_view))
             self._broadcast(list(module.parameters()) + list(module.buffers()))
+        self._buffer_layouts = [(b.shape, b.dtype) for b in module.buffers()]  # as every rank agreed
 
         self._make_buckets(list(reversed(params)), error_feedback)
         self._rebuilt = False  # whether the buckets follow the order of a synchronized step's gradients
@@ -621,22 +625,40 @@ class DataParallel(torch.nn.Module, Joinable):
             self._index_of[id(p)] = j
         self._buckets.append(bucket)
 
+    def _broadcast_buffers(self, buffers, src):
+        """Each rank broadcasts the buffers as it holds them, so they must keep the shapes and dtypes
+        every rank agreed on at wrapping: a buffer grown on one rank would take part of another's values."""
+        if [(b.shape, b.dtype) for b in buffers] == self._buffer_layouts:
+            return self._broadcast(buffers, src)
+        now = list(self.module.named_buffers())
+        changed = next((f"buffer {name!r} is {tuple(b.shape)} {b.dtype} but was {tuple(shape)} {dtype}"
+                        for (name, b), (shape, dtype) in zip(now, self._buffer_layouts)
+                        if (b.shape, b.dtype) != (shape, dtype)),
+                       f"the module has {len(now)} buffers but had {len(self._buffer_layouts)}")
+        raise RuntimeError(f"gradsync.DataParallel: {changed} when it was wrapped. Buffers are broadcast from one "
+                           "rank before every training forward, so every rank must keep them as they were wrapped; "
+                           "give buffers their final size before wrapping, or pass broadcast_buffers=False")
+
     def _broadcast(self, tensors, src=None):
+        """The tensors, from ``src`` (global rank): one broadcast per dtype, and one per tensor that
+        shares memory with another."""
         src = self._root if src is None else src
         by_dtype = {}
         for t in tensors:
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append(t)
         for dtype, group in by_dtype.items():
-            data = [t.detach() for t in group]
-            if dtype in (torch.float32, torch.float16, torch.bfloat16):
-                data, aliased = _apart(data)
-                if data:
-                    flat = flatten(data)
-                    dist.broadcast(flat, src=src, group=self.process_group)
-                    unflatten(flat, data)
-            else:
-                aliased = data
+            data, aliased = _apart([t.detach() for t in group])
+            if data and dtype in FLOAT_DTYPES:
+                flat = flatten(data)
+                dist.broadcast(flat, src=src, group=self.process_group)
+                unflatten(flat, data)
+            elif data:  # integer and bool buffers (BatchNorm's step counts): one broadcast too
+                flat = torch.cat([t.reshape(-1) for t in data])
+                dist.broadcast(flat, src=src, group=self.process_group)
+                with torch.no_grad():
+                    for t, part in zip(data, flat.split([t.numel() for t in data])):
+                        t.copy_(part.view(t.shape))
             for t in aliased:  # each takes the root's values, whatever the others wrote
                 dense = t if t.is_contiguous() else t.contiguous()
                 dist.broadcast(dense, src=src, group=self.process_group)
@@ -689,7 +711,7 @@ class DataParallel(torch.nn.Module, Joinable):
             elif not self._sync_pending:
                 self._backward_syncs = False
         if broadcasts:
-            self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
+            self._broadcast_buffers(self._buffers_seen, self._announced.source if self._join_config.enable else None)
         self._hand_hint_to_dynamo()
 
     @_eager_under_compile
@@ -809,7 +831,7 @@ class DataParallel(torch.nn.Module, Joinable):
         if announced.with_grad:  # the others' next forward broadcasts buffers, or not, as this one's does
             self._forward_synced = announced.synchronizes
         if announced.broadcasts:
-            self._broadcast(self._buffers_seen, announced.source)
+            self._broadcast_buffers(self._buffers_seen, announced.source)
         if not announced.synchronizes:
             return
         ranks = self.process_group.size() if self._divide_by_initial_world_size else len(announced.active)
@@ -825,8 +847,10 @@ class DataParallel(torch.nn.Module, Joinable):
         group = self.process_group
         last = torch.tensor([group.rank() if is_last_joiner else -1], device=self._device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
-        states = list(self.module.parameters()) + (list(self.module.buffers()) if self.broadcast_buffers else [])
-        self._broadcast(states, dist.get_global_rank(group, int(last.item())))
+        source = dist.get_global_rank(group, int(last.item()))
+        self._broadcast(list(self.module.parameters()), source)
+        if self.broadcast_buffers:
+            self._broadcast_buffers(list(self.module.buffers()), source)
         self._leave_join()
 
     def _on_grad(self, param):

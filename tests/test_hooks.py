@@ -850,6 +850,59 @@ def test_data_parallel_broadcasts_buffers_at_wrapping_and_before_training_forwar
         assert out[False][2] == ([float(rank)] * 3, 10 * rank + 1)
 
 
+class ManyBuffers(torch.nn.Module):
+    """Three BatchNorms (float and int64 buffers), a bool mask, a table and a view of it, and a cache
+    that grows with the input on demand."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = torch.nn.Sequential(*[torch.nn.BatchNorm1d(4, momentum=0.0) for _ in range(3)])
+        self.register_buffer("mask", torch.zeros(4, dtype=torch.bool))
+        self.register_buffer("table", torch.zeros(2, 4))
+        self.register_buffer("row", self.table[1])
+        self.register_buffer("cache", torch.zeros(4))
+
+    def forward(self, x):
+        if len(x) > len(self.cache):
+            self.register_buffer("cache", torch.arange(float(len(x))))
+        return self.norms(x) * self.cache[:len(x), None]
+
+
+def buffers_of_many_kinds(rank, size):
+    """The dtypes broadcast before a training forward, and the buffers, set per rank, after it."""
+    net = ManyBuffers()
+    model = gradsync.DataParallel(net, codec="none")
+    for name, b in net.named_buffers():
+        if name != "row":
+            b.fill_(rank + 1 if b.dtype != torch.bool else rank == 0)
+    calls = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda tensor, *args, **kwargs: (calls.append(str(tensor.dtype)), broadcast(tensor, *args, **kwargs))[1]
+    try:
+        model(torch.randn(4, 4))
+    finally:
+        dist.broadcast = broadcast
+    return sorted(calls), {name: b.tolist() for name, b in net.named_buffers()}
+
+
+def a_buffer_grown_after_wrapping(rank, size):
+    model = gradsync.DataParallel(ManyBuffers(), codec="none")
+    model(torch.randn(8, 4))  # grows the cache, after the broadcast
+    with pytest.raises(RuntimeError, match=r"buffer 'cache' is \(8,\) torch.float32 but was \(4,\) torch.float32 "
+                                           r"when it was wrapped.*broadcast_buffers=False"):
+        model(torch.randn(8, 4))
+
+
+def test_data_parallel_broadcasts_buffers_one_dtype_at_a_time_and_refuses_a_grown_one(worlds):
+    for calls, values in worlds(2).run(buffers_of_many_kinds):
+        # float32 (BatchNorms' statistics, the cache), int64 (their counts), bool (the mask), and the
+        # table and its view, which share memory, one at a time
+        assert calls == ["torch.bool", "torch.float32", "torch.float32", "torch.float32", "torch.int64"]
+        assert values["mask"] == [True] * 4 and values["norms.0.num_batches_tracked"] == 2  # counted after it
+        assert values["norms.2.running_var"] == values["cache"] == values["table"][0] == [1.0] * 4
+    worlds(1).run(a_buffer_grown_after_wrapping)  # alone: no peer is left waiting in the broadcast
+
+
 def buffers_around_no_sync(rank, size):
     """Each rank's BatchNorm running mean, set to the rank before every step (momentum 0 keeps it),
     after steps whose forward and backward run: synchronized; inside no_sync(); synchronized twice;
