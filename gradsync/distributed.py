@@ -130,7 +130,7 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
 
     By default the whole factor is applied before the sum (prescale = 1/n): every partial sum then
     stays within the inputs' range, so an fp16 wire cannot overflow where the inputs did not, at the
-    cost of log2(n) bits at the bottom of fp16's range (values below n * 6e-8 flush to zero). bf16
+    cost of log2(n) bits at the bottom of fp16's range (values below n * 3e-8 flush to zero). bf16
     and the block-scaled fp8 codecs are indifferent to the split. Give one factor and gradsync
     derives the other; give both and their product must be right.
     """
