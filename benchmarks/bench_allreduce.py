@@ -32,7 +32,7 @@ COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, co
            ("vs fp32", "speedup", 9, common.ratio), ("error", "error", 10, common.sci)]
 
 
-ACCURACY_COLUMNS = [("ranks", "ranks", 6, common.fixed(0)), ("impl", "impl", 26, str),
+ACCURACY_COLUMNS = [("ranks", "ranks", 6, common.fixed(0)), ("impl", "impl", 44, str),
                     ("rel L2 error", "error", 14, common.sci)]
 
 
@@ -60,7 +60,7 @@ def with_feedback(codec, group):
 
 
 def implementations(n, group, feedback=False, numel=None, device=None):
-    """{name: (fn, wire bytes per element)}; with a numel and CPU tensors that take gradsync's direct
+    """{name: (fn, the codec its wire carries, as gradsync.payload_nbytes names it)}; with a numel and CPU tensors that take gradsync's direct
     exchange, also gradsync fp16 through the ring ("gradsync fp16 ring") and without the agreement
     check ("gradsync fp16 unchecked"), side by side."""
     def torch_fp32(x):
@@ -80,17 +80,17 @@ def implementations(n, group, feedback=False, numel=None, device=None):
         finally:
             gradsync.distributed.DIRECT_BYTES = saved
 
-    impls = {"torch fp32": (torch_fp32, 4), "torch fp16 hook path": (torch_fp16_hook, 2)}
+    impls = {"torch fp32": (torch_fp32, "none"), "torch fp16 hook path": (torch_fp16_hook, "fp16")}
     for codec in gradsync.CODECS:
-        wire = {"none": 4, "fp16": 2, "bf16": 2}.get(codec, 1 + 4 / 128)
-        impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), wire)
+        impls[f"gradsync {codec}"] = (lambda x, c=codec: gradsync.all_reduce(x, codec=c, group=group), codec)
         if feedback and codec != "none":
-            impls[f"gradsync {codec}+ef"] = (with_feedback(codec, group), wire)
+            impls[f"gradsync {codec}+ef"] = (with_feedback(codec, group), codec)
     if numel and device is not None and device.type == "cpu" and \
             model.takes_direct_exchange(numel, n, "fp16", gradsync.distributed.DIRECT_BYTES):
-        impls["gradsync fp16 ring"] = (through_the_ring, 2)
+        impls["gradsync fp16 ring"] = (through_the_ring, "fp16")
         # as the hooks and DataParallel call it after a bucket's first step
-        impls["gradsync fp16 unchecked"] = (lambda x: gradsync.all_reduce(x, codec="fp16", group=group, check_call=False), 2)
+        impls["gradsync fp16 unchecked"] = (lambda x: gradsync.all_reduce(x, codec="fp16", group=group, check_call=False),
+                                            "fp16")
     return impls
 
 
@@ -198,7 +198,7 @@ def bench(args, device):
         x = torch.empty_like(original)
         iters = max(3, min(args.max_iters, int(args.budget_bytes // max(size, 1))))
         impls = {name: impl for name, impl in implementations(n, None, args.feedback, numel, device).items()
-                 if not args.impls or any(s in name for s in args.impls)}
+                 if not args.impls or name == "torch fp32" or any(s in name for s in args.impls)}
         errors, samples = {}, {name: [] for name in impls}
         for name, (fn, _) in impls.items():
             x.copy_(original)
@@ -210,12 +210,12 @@ def bench(args, device):
             for name, (fn, _) in impls.items():
                 samples[name] += time_calls(fn, x, original, device, calls, None)
         base_ms = None
-        for name, (_, wire_per_elem) in impls.items():
+        for name, (_, wire_codec) in impls.items():
             ms, p50, p90, slow = slowest_stats_ms(samples[name], device, None)
             base_ms = ms if name == "torch fp32" else base_ms
             algbw = size / ms / 1e6
             rows.append({"bytes": size, "count": numel, "impl": name, "time_ms": ms, "algbw": algbw,
-                         "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": int(numel * wire_per_elem),
+                         "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": gradsync.payload_nbytes(wire_codec, numel),
                          "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": errors[name],
                          "p50_ms": p50, "p90_ms": p90, "slow_calls": slow})
         if dist.get_rank() == 0:
@@ -308,7 +308,8 @@ def main():
                              "one call each per round; 1: each runs all its calls at once, which lets a slow spell of "
                              "the machine fall on one row: rows of 256 KB or less then moved by up to 56 %% between "
                              "runs, against 18-22 %% interleaved: results/2026-12-01-netem-interleaving.json)")
-    parser.add_argument("--impls", nargs="*", help="only implementations whose name contains one of these")
+    parser.add_argument("--impls", nargs="*",
+                        help="only implementations whose name contains one of these (and torch fp32, the baseline)")
     parser.add_argument("--feedback", action="store_true",
                         help="also time every compressing codec with error feedback (+ef: a residual kept across calls)")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table at n = 2, 4, 8 instead")
@@ -317,6 +318,17 @@ def main():
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     parser.add_argument("--plot", help="write a PNG of busbw vs size here (rank 0)")
     args = parser.parse_args()
+    if args.step < 2:
+        parser.error(f"--step must be at least 2, got {args.step}")
+    if args.min_bytes < 4 or args.min_bytes % 4 or args.max_bytes < args.min_bytes:
+        parser.error(f"--min-bytes must be a positive multiple of 4 bytes (fp32 elements) and at most --max-bytes, "
+                     f"got {args.min_bytes} and {args.max_bytes}")
+    if args.impls and not args.accuracy:
+        names = [*implementations(2, None, args.feedback), "gradsync fp16 ring", "gradsync fp16 unchecked"]
+        if not any(s in name for name in names[1:] for s in args.impls):
+            parser.error(f"--impls {' '.join(args.impls)} matches none of: {', '.join(names[1:])}")
+    if args.accuracy and args.plot:
+        parser.error("--plot draws the timed table; --accuracy has none")
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -341,6 +353,8 @@ def main():
         columns = COLUMNS
     if rank == 0:
         common.print_table(title, rows, columns)
+        if not args.accuracy:
+            print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")
         if args.json:
             meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__,
                     "direct_bytes": gradsync.distributed.DIRECT_BYTES if device.type == "cpu" else 0,
@@ -350,7 +364,6 @@ def main():
                     "gloo_loop_nice": args.gloo_loop_nice}
             if not args.accuracy:
                 meta["p2p_latency_us"] = latency * 1e6
-                print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")
             common.write_json(args.json, title, rows, meta)
         if args.plot and not args.accuracy:
             common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl",

@@ -148,20 +148,24 @@ def main():
     # One model at a time (memory); modes alternate over passes so that drifts hit all of them.
     samples = {mode: [] for mode in list(WIRE) + ["compute only (no_sync)", "communication only (gradsync fp16)"]}
     passes = 2
-    for _ in range(passes):
+    for pass_ in range(passes):
+        steps = max(1, args.steps // passes + (pass_ < args.steps % passes))
         for mode in WIRE:
             model = wrapped(mlp(device=device)[0], mode)
             with compiling(mode):
                 step(model)  # warm-up (and compilation)
-            samples[mode] += [timed(lambda: step(model)) for _ in range(max(1, args.steps // passes))]
+            samples[mode] += [timed(lambda: step(model)) for _ in range(steps)]
             if mode == "gradsync fp16 hook":
                 timeline = overlap(model, step, TIMELINE)
             if mode == "DDP default (fp32)":
                 samples["compute only (no_sync)"] += [timed(lambda: step(model, sync=False))
-                                                      for _ in range(max(1, args.steps // passes))]
+                                                      for _ in range(steps)]
             model = None  # one model in memory at a time
-        samples["communication only (gradsync fp16)"] += [timed(communicate) for _ in range(max(1, args.steps // passes))]
-    medians = {mode: statistics.median(s) for mode, s in samples.items()}
+        samples["communication only (gradsync fp16)"] += [timed(communicate) for _ in range(steps)]
+    # each mode's median step on the slowest rank
+    slowest = torch.tensor([statistics.median(s) for s in samples.values()], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    medians = dict(zip(samples, slowest.tolist()))
     rows = []
     for mode, ms in medians.items():
         wire = 2 * (n - 1) / n * WIRE.get(mode, 2 if "communication" in mode else 0) * numel

@@ -3,9 +3,10 @@
     python benchmarks/bench_kernels.py [--device cuda] [--max-mb 256] [--json out.json] [--plot out.png]
 
 Cases: the parameter sets of GPT-2 124M (148 tensors) and ResNet-50 (161 tensors), and single
-buffers of 4 MB and up. GB/s counts the bytes the fused op must read and write (fp32 in, 16-bit
-out: 6 bytes per element), for every op of a case, so GB/s ratios are time ratios; %copy compares
-with a device-to-device copy of the same fp32 buffer measured in the same run.
+buffers of 4 MiB and up. GB/s counts the bytes the fused op must read and write: for the flatten
+and unflatten rows fp32 in, 16-bit out (6 bytes per element) whatever the op, so their GB/s ratios
+are time ratios; for the codec rows fp32 in and the payload out. %copy compares with a
+device-to-device copy of the same fp32 buffer measured in the same run.
 """
 import argparse
 import math
@@ -41,16 +42,21 @@ def cupy_flatten(tensors):
         import cupy
     except ImportError:
         return None
+    cupy.cuda.Device(tensors[0].device.index).use()
     kernel = cupy.ElementwiseKernel("float32 x, float32 s", "float16 y", "y = (float16)(x * s)", "scale_cast")
+    # the arrays are made once, as gradsync's row writes into a buffer it keeps: the timed calls are
+    # the kernels alone
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
+    flat = cupy.from_dlpack(out)
+    pairs, offset = [], 0
+    for t in tensors:
+        pairs.append((cupy.from_dlpack(t.reshape(-1)), flat[offset:offset + t.numel()]))
+        offset += t.numel()
+    scale = cupy.float32(1.0 / WORLD)
 
     def run():
-        out = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
-        flat = cupy.from_dlpack(out)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            kernel(cupy.from_dlpack(t.reshape(-1)), cupy.float32(1.0 / WORLD), flat[offset:offset + n])
-            offset += n
+        for x, y in pairs:
+            kernel(x, scale, y)
         return out
     return run
 
@@ -124,7 +130,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-mb", type=int, default=None,
-                        help="largest single buffer in MB of fp32 (default: 1024 on CUDA, 256 on CPU)")
+                        help="largest single buffer in MiB of fp32 (default: 1024 on CUDA, 256 on CPU)")
     parser.add_argument("--sets-only", action="store_true", help="only the GPT-2 and ResNet-50 parameter sets")
     parser.add_argument("--cases", nargs="*", help="only cases whose name contains one of these (gpt2, resnet50, "
                         "buffer-64MB, ...)")
@@ -132,6 +138,11 @@ def main():
     parser.add_argument("--plot", help="write a PNG of GB/s vs size here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # torch's and cupy's kernels on that GPU, not the first one
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.max_mb is not None and args.max_mb < 4:
+        parser.error(f"--max-mb must be at least 4 (the smallest single buffer), got {args.max_mb}")
     max_mb = args.max_mb or (1024 if device.type == "cuda" else 256)
 
     cases = [("gpt2-124M", shapes.gpt2_small()), ("resnet50", shapes.resnet50())]

@@ -18,7 +18,7 @@ class Row:
     op: str
     count: int          # elements
     tensors: int
-    bytes_moved: int    # bytes read + written by the fused op (the same figure for every op of a case)
+    bytes_moved: int    # bytes read + written: what the fused op must move (see each benchmark)
     time_ms: float
     gbps: float = 0.0
     pct_copy: float = 0.0
@@ -46,11 +46,13 @@ def time_op(fn, device, *, warmup=2, repeats=7, min_time_s=0.2):
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
+            # on the device's stream, where the ops run (not the current device's, if another)
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             for _ in range(inner):
                 fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             samples.append(start.elapsed_time(end) / inner)
         else:
@@ -69,8 +71,8 @@ def machine_description(device):
 
 
 def format_bytes(n):
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
 

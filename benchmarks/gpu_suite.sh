@@ -9,7 +9,7 @@
 # Each file is written as its step runs, so a run cut short keeps what it measured. Target:
 # about 6 minutes on one H200 (the build included); every step has a time limit, and a step that
 # would end past BUDGET seconds (default 540) is skipped, so that one run stays within a 10-minute
-# command and a second run still fits a 15-minute lease. The CPU tests are left to CI.
+# command (lower BUDGET to leave time for a second run). The CPU tests are left to CI.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
 set -uo pipefail

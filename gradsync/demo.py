@@ -140,11 +140,13 @@ def run(args, rank, world):
 
 
 def report(results, args, language):
-    reference = results.get("fp32 DDP", next(iter(results.values())))["params"]
-    print(f"\n{'mode':<28}{'step (ms)':>10}{'bytes/step':>12}{'final loss':>12}{'max |dp| vs ' + next(iter(results)):>22}")
+    name = "fp32 DDP" if "fp32 DDP" in results else next(iter(results))
+    reference, header = results[name]["params"], f"max |dp| vs {name}"
+    width = max(22, len(header) + 2)
+    print(f"\n{'mode':<28}{'step (ms)':>10}{'bytes/step':>12}{'final loss':>12}{header:>{width}}")
     for mode, r in results.items():
         diff = float((r["params"] - reference).abs().max())
-        print(f"{mode:<28}{r['step_ms']:>10.1f}{r['bytes'] / 1e6:>10.2f}MB{r['final_loss']:>12.4f}{diff:>22.2e}")
+        print(f"{mode:<28}{r['step_ms']:>10.1f}{r['bytes'] / 1e6:>10.2f}MB{r['final_loss']:>12.4f}{diff:>{width}.2e}")
     print(f"(uniform guessing: loss {math.log(VOCAB):.3f}; the source's entropy: {language.entropy:.3f})")
     try:
         import matplotlib
@@ -194,8 +196,11 @@ def parse(argv):
     p.add_argument("--plot", default="gradsync-demo.png", help="where to save the loss curves")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     args = p.parse_args(argv)
-    if args.device is None:
-        ranks = int(os.environ.get("WORLD_SIZE", args.nproc))
+    for flag, value in (("--steps", args.steps), ("--nproc", args.nproc), ("--batch", args.batch)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
+    if args.device is None:  # the GPUs of this node, one per local rank
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))
         args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]

@@ -656,8 +656,8 @@ def hierarchical_table(kernels, bucket_mb):
 
 
 def _size(nbytes):
-    for unit in ("B", "KB", "MB"):
-        if nbytes < 1024 or unit == "MB":
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024 or unit == "MiB":
             return f"{nbytes:g} {unit}"
         nbytes /= 1024
 
