@@ -1,15 +1,18 @@
 // The ring schedule on an in-process transport: the plan's chunk/slice/layout arithmetic, and whole
-// all-reduces on threads (one per rank) whose results must agree bitwise and match the exact sum.
+// all-reduces on threads (one per rank) whose results must agree bitwise and match the exact sum,
+// every message checked for its tag and for landing on a send buffer still in use.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -114,6 +117,100 @@ class LocalTransport : public Transport {
   std::deque<std::vector<uint8_t>> sent_;
 };
 
+// Passes everything on to another transport; the checks below watch what goes through. What one
+// finds is reported after the call, so that no rank stops halfway and leaves its peers waiting.
+class Forwarding : public Transport {
+ public:
+  explicit Forwarding(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override {
+    return inner_.send(data, bytes, peer, tag);
+  }
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
+    return inner_.recv(data, bytes, peer, tag);
+  }
+  void wait(int64_t handle) override { inner_.wait(handle); }
+  void wait_all() override { inner_.wait_all(); }
+  bool posts_receives_ahead() const override { return inner_.posts_receives_ahead(); }
+  void group_begin() override { inner_.group_begin(); }
+  void group_end() override { inner_.group_end(); }
+  void fence() override { inner_.fence(); }
+  const std::string& problems() const { return problems_; }  // the first one found, "" if none
+
+ protected:
+  void flag(const std::string& problem) {
+    if (problems_.empty()) problems_ = problem;
+  }
+  Transport& inner_;
+  std::string problems_;
+};
+
+// Records every message of one call as (direction, peer, tag). Each tag must lie in the call's
+// [base, base + span), or it could pair with a message of the call before or after; none may
+// repeat, as the ring gives every (step, slice) a tag of its own (which is what the span counts),
+// so that no two of its messages rely on the order of posting alone to pair up.
+class TagLog : public Forwarding {
+ public:
+  TagLog(Transport& inner, uint32_t base, uint32_t span) : Forwarding(inner), base_(base), span_(span) {}
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override {
+    note(true, peer, tag);
+    return inner_.send(data, bytes, peer, tag);
+  }
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
+    note(false, peer, tag);
+    return inner_.recv(data, bytes, peer, tag);
+  }
+
+ private:
+  void note(bool sends, int peer, uint32_t tag) {
+    const std::string message = std::string(sends ? "send to " : "receive from ") + std::to_string(peer) + " tag " +
+                                std::to_string(tag);
+    if (tag - base_ >= span_) {
+      flag(message + " outside [" + std::to_string(base_) + ", " + std::to_string(base_ + span_) + ")");
+    } else if (!seen_.emplace(sends, peer, tag).second) {
+      flag(message + " repeated");
+    }
+  }
+  uint32_t base_, span_;
+  std::set<std::tuple<bool, int, uint32_t>> seen_;
+};
+
+// A rendezvous transport (gloo) may read a send's buffer until the send is waited, so a receive
+// posted over that buffer can overwrite bytes not yet sent. The hub copies a send as soon as it is
+// matched, which hides this; so the receive is flagged when posted. A stream-ordered transport
+// runs a receive after every send issued before it: nothing to flag there.
+class SendBufferGuard : public Forwarding {
+ public:
+  using Forwarding::Forwarding;
+  int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override {
+    const int64_t handle = inner_.send(data, bytes, peer, tag);
+    if (posts_receives_ahead()) unwaited_[handle] = {static_cast<const uint8_t*>(data), bytes};
+    return handle;
+  }
+  int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override {
+    const uint8_t* at = static_cast<const uint8_t*>(data);
+    for (const auto& sent : unwaited_) {
+      if (at < sent.second.first + sent.second.second && sent.second.first < at + bytes) {
+        flag("receive from " + std::to_string(peer) + " tag " + std::to_string(tag) +
+             " posted over the buffer of a send not yet waited");
+      }
+    }
+    return inner_.recv(data, bytes, peer, tag);
+  }
+  void wait(int64_t handle) override {
+    inner_.wait(handle);
+    unwaited_.erase(handle);
+  }
+  void wait_all() override {
+    inner_.wait_all();
+    unwaited_.clear();
+  }
+
+ private:
+  std::map<int64_t, std::pair<const uint8_t*, int64_t>> unwaited_;  // by handle: data, bytes
+};
+
 // Runs fn(rank) on one thread per rank; returns what each threw ("" if nothing).
 template <typename Fn>
 std::vector<std::string> on_ranks(int ranks, Fn fn) {
@@ -130,6 +227,25 @@ std::vector<std::string> on_ranks(int ranks, Fn fn) {
   }
   for (auto& t : threads) t.join();
   return errors;
+}
+
+constexpr uint32_t kCallTag = 1u << 20, kTagBase = 1000;
+
+// Rank r's part of one call: the record exchange, then the schedule `call` names, on a transport
+// that checks its tags and its send buffers; throws what either found.
+void run_rank(Hub& hub, int r, bool in_order, CpuRingKernels& kernels, const RingPlan& plan, const RingCall& call) {
+  LocalTransport local(hub, r, plan.ranks(), in_order);
+  SendBufferGuard guard(local);
+  check_ring_call(guard, call, kCallTag);
+  std::vector<int64_t> offsets;
+  const int64_t bytes = call.direct ? direct_image_bytes(kernels, call.numel, plan.ranks())
+                                    : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
+  std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
+  TagLog tags(guard, kTagBase, call.direct ? 1 : ring_tag_span(plan));
+  if (call.direct) direct_allreduce(tags, kernels, call.numel, recv_image.data(), send_image.data(), kTagBase);
+  else if (call.scatter) ring_reduce_scatter(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
+  else ring_allreduce(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
+  if (!tags.problems().empty() || !guard.problems().empty()) throw std::logic_error(tags.problems() + guard.problems());
 }
 
 // `ranks` inputs of small integers, whose every partial sum is exact in fp16 and bf16, and their sum.
@@ -187,16 +303,9 @@ void check_allreduce(int ranks, int64_t numel, Codec codec, int64_t slice, bool 
   Hub hub;
   const RingPlan plan(numel, ranks, slice);
   const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
-    LocalTransport transport(hub, r, ranks, in_order);
     CpuRingKernels kernels(codec, data[r].data(), apart ? results[r].data() : data[r].data(), DType::kFloat32,
                            prescale, 1.0f);
-    std::vector<int64_t> offsets;
-    const int64_t bytes = direct ? direct_image_bytes(kernels, numel, ranks)
-                                 : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
-    std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-    check_ring_call(transport, RingCall{numel, 0, static_cast<int32_t>(codec), prescale, 1.0f, slice, direct}, 1u << 20);
-    if (direct) direct_allreduce(transport, kernels, numel, recv_image.data(), send_image.data(), 0);
-    else ring_allreduce(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+    run_rank(hub, r, in_order, kernels, plan, RingCall{numel, 0, int32_t(codec), prescale, 1.0f, slice, direct, 0, 0});
   });
   for (int r = 0; r < ranks; ++r) {
     CHECK(errors[r].empty(), "ranks %d numel %ld codec %d%s%s: rank %d: %s", ranks, long(numel), int(codec),
@@ -249,13 +358,9 @@ void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, 
   Hub hub;
   const RingPlan plan = RingPlan::scatter(numel, ranks, slice);
   const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
-    LocalTransport transport(hub, r, ranks, in_order);
     CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
     kernels.scatter_into(in_place ? data[r].data() + r * chunk : results[r].data(), r * chunk);
-    std::vector<int64_t> offsets;
-    const int64_t bytes = plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
-    std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
-    ring_reduce_scatter(transport, kernels, plan, recv_image.data(), send_image.data(), 0);
+    run_rank(hub, r, in_order, kernels, plan, RingCall{numel, 0, int32_t(codec), 1.0f, 1.0f, slice, 0, 1, 0});
   });
   const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
   for (int r = 0; r < ranks; ++r) {
@@ -275,9 +380,129 @@ void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, 
   }
 }
 
+// Codec "none" carries the input's own dtype, the cast codecs theirs, fp8 codes and block scales.
+void check_payload_layout() {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    const auto bytes = [dtype](Codec codec, int64_t n) {
+      return CpuRingKernels(codec, nullptr, nullptr, dtype, 1.0f, 1.0f).payload_bytes(n);
+    };
+    for (int64_t n : {1L, 129L, 1009L}) {
+      CHECK(bytes(Codec::kNone, n) == n * dtype_size(dtype), "dtype %d: codec none, %ld elements in %ld bytes",
+            int(dtype), long(n), long(bytes(Codec::kNone, n)));
+      CHECK(bytes(Codec::kFp16, n) == 2 * n && bytes(Codec::kBf16, n) == 2 * n, "dtype %d: cast codecs", int(dtype));
+      CHECK(bytes(Codec::kFp8E4M3, n) == fp8_payload_bytes(n) && bytes(Codec::kFp8E5M2, n) == fp8_payload_bytes(n),
+            "dtype %d: fp8 codecs", int(dtype));
+    }
+  }
+}
+
+std::vector<uint8_t> as_dtype(const std::vector<float>& values, DType dtype) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kFloat32) {
+      std::memcpy(&bytes[4 * i], &values[i], 4);
+    } else {
+      const uint16_t h = dtype == DType::kFloat16 ? float_to_half_bits(values[i]) : float_to_bf16_bits(values[i]);
+      std::memcpy(&bytes[2 * i], &h, 2);
+    }
+  }
+  return bytes;
+}
+
+double element(const std::vector<uint8_t>& bytes, DType dtype, int64_t i) {
+  if (dtype == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, &bytes[4 * i], 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, &bytes[2 * i], 2);
+  return dtype == DType::kFloat16 ? half_bits_to_float(h) : bf16_bits_to_float(h);
+}
+
+// Any input dtype and both scales, the result in place: the all-reduce on the ring or (`direct`) by
+// the direct exchange, or (`scatter`; numel a multiple of ranks) the reduce-scatter into the input's
+// own chunk. Inputs are small integers and scales powers of two, so the cast codecs stay exact in
+// every dtype; fp8 is bounded as in check_allreduce, plus the rounding of its sums to the dtype.
+void check_scaled(int ranks, int64_t numel, DType dtype, Codec codec, float prescale, float postscale, bool in_order,
+                  bool direct, bool scatter) {
+  std::vector<double> exact;
+  const std::vector<std::vector<float>> values =
+      small_integers(ranks, numel, static_cast<uint32_t>(numel * 13 + ranks * 3 + int(dtype)), exact);
+  std::vector<std::vector<uint8_t>> data;
+  for (const auto& v : values) data.push_back(as_dtype(v, dtype));
+  const int64_t chunk = numel / ranks, size = dtype_size(dtype);
+  Hub hub;
+  const RingPlan plan = scatter ? RingPlan::scatter(numel, ranks, 256) : RingPlan(numel, ranks, 256);
+  const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
+    CpuRingKernels kernels(codec, data[r].data(), data[r].data(), dtype, prescale, postscale);
+    if (scatter) kernels.scatter_into(data[r].data() + r * chunk * size, r * chunk);
+    run_rank(hub, r, in_order, kernels, plan,
+             RingCall{numel, int32_t(dtype), int32_t(codec), prescale, postscale, 256, direct, scatter, 0});
+  });
+  char what[160];
+  std::snprintf(what, sizeof what, "%s ranks %d numel %ld dtype %d codec %d scales %g, %g%s",
+                scatter ? "reduce-scatter" : direct ? "direct all-reduce" : "all-reduce", ranks, long(numel),
+                int(dtype), int(codec), prescale, postscale, in_order ? ", in order" : "");
+  const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
+  const double fp8_bound = ranks * rel * 8.0 * (direct ? 1 : ranks) * prescale * postscale;
+  const double to_dtype = rel == 0 || dtype == DType::kFloat32 ? 0 : dtype == DType::kFloat16 ? 0x1p-11 : 0x1p-8;
+  for (int r = 0; r < ranks; ++r) {
+    CHECK(errors[r].empty(), "%s: rank %d: %s", what, r, errors[r].c_str());
+    if (!scatter && r > 0) {
+      CHECK(data[r] == data[0], "%s: rank %d differs", what, r);
+      continue;
+    }
+    for (int64_t i = scatter ? r * chunk : 0; i < (scatter ? (r + 1) * chunk : numel); ++i) {
+      const double want = exact[i] * prescale * postscale, got = element(data[r], dtype, i);
+      CHECK(std::fabs(got - want) <= fp8_bound + std::fabs(want) * to_dtype, "%s: rank %d [%ld] %g vs %g", what, r,
+            long(i), got, want);
+    }
+  }
+}
+
+// Error feedback from zero residuals: what each rank's encodings lost, summed over the ranks, is
+// the result's error, exact - result / postscale, up to the fp32 roundings of the hops' sums.
+// Inputs are not integers, so that every lossy codec loses something, and slices of 128 elements
+// start all over the buffer, where each kernel must use the residuals at its own offset.
+void check_error_feedback(int ranks, int64_t numel, Codec codec, bool in_order, bool direct, bool scatter) {
+  const float prescale = 0.5f, postscale = 0.25f;
+  std::mt19937 rng(static_cast<uint32_t>(numel * 7 + ranks));
+  std::uniform_real_distribution<float> value(-4.0f, 4.0f);
+  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel));
+  std::vector<std::vector<float>> residuals(ranks, std::vector<float>(numel, 0.0f));
+  std::vector<double> exact(numel, 0.0);
+  for (auto& d : data) {
+    for (int64_t i = 0; i < numel; ++i) exact[i] += (d[i] = value(rng)) * prescale;
+  }
+  const int64_t chunk = numel / ranks;
+  Hub hub;
+  const RingPlan plan = scatter ? RingPlan::scatter(numel, ranks, 128) : RingPlan(numel, ranks, 128);
+  const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
+    CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, prescale, postscale);
+    kernels.set_error_feedback(residuals[r].data());
+    if (scatter) kernels.scatter_into(data[r].data() + r * chunk, r * chunk);
+    run_rank(hub, r, in_order, kernels, plan,
+             RingCall{numel, 0, int32_t(codec), prescale, postscale, 128, direct, scatter, 0});
+  });
+  for (int r = 0; r < ranks; ++r) {
+    CHECK(errors[r].empty(), "error feedback ranks %d codec %d: rank %d: %s", ranks, int(codec), r, errors[r].c_str());
+  }
+  for (int64_t i = 0; i < numel; ++i) {
+    double lost = 0;
+    for (int r = 0; r < ranks; ++r) lost += residuals[r][i];
+    const double result = data[scatter ? i / chunk : 0][i];
+    CHECK(std::fabs(exact[i] - result / postscale - lost) <= 1e-5,
+          "error feedback ranks %d codec %d%s%s%s: [%ld] exact %.9g, result / postscale %.9g, residuals %.9g", ranks,
+          int(codec), in_order ? ", in order" : "", direct ? ", direct" : "", scatter ? ", reduce-scatter" : "",
+          long(i), exact[i], result / postscale, lost);
+  }
+}
+
 }  // namespace
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run killed mid-way still shows the section it was in
   for (int ranks = 1; ranks <= 6; ++ranks) {
     for (int64_t numel : {0L, 1L, 5L, 127L, 128L, 129L, 1009L, 100003L}) {
       for (int64_t slice : {1L, 128L, 1000L, 1L << 20}) check_plan(numel, ranks, slice);
@@ -285,6 +510,7 @@ int main() {
   }
   const Codec codecs[] = {Codec::kNone, Codec::kFp16, Codec::kBf16, Codec::kFp8E4M3, Codec::kFp8E5M2};
   for (int ranks = 1; ranks <= 5; ++ranks) {
+    std::printf("ring: all-reduce, %d ranks\n", ranks);
     for (int64_t numel : {0L, 1L, static_cast<int64_t>(ranks - 1), 127L, 129L, 1009L, 40000L}) {
       for (Codec codec : codecs) {
         for (bool in_order : {false, true}) {
@@ -298,6 +524,7 @@ int main() {
     }
   }
   for (int ranks = 1; ranks <= 5; ++ranks) {
+    std::printf("ring: reduce-scatter, %d ranks\n", ranks);
     for (int64_t chunk : {0L, 1L, 127L, 128L, 129L, 1000L}) {
       for (int64_t slice : {1L, 128L, 1000L}) check_scatter_plan(chunk, ranks, slice);
       for (Codec codec : codecs) {
@@ -308,6 +535,35 @@ int main() {
       }
     }
   }
+  check_payload_layout();
+  // (prescale, postscale): the sum; the average of 4 ranks; a sum halved on the wire and doubled back
+  const float scales[][2] = {{1.0f, 1.0f}, {1.0f, 0.25f}, {0.5f, 2.0f}};
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    std::printf("ring: input dtypes and postscale, %d ranks\n", ranks);
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      for (Codec codec : codecs) {
+        for (const auto& scale : scales) {
+          if (dtype == DType::kFloat32 && scale[1] == 1.0f) continue;  // the cases above
+          for (bool in_order : {false, true}) {
+            check_scaled(ranks, 1009, dtype, codec, scale[0], scale[1], in_order, false, false);
+            check_scaled(ranks, 1009, dtype, codec, scale[0], scale[1], in_order, /*direct=*/true, false);
+            check_scaled(ranks, 300 * ranks, dtype, codec, scale[0], scale[1], in_order, false, /*scatter=*/true);
+          }
+        }
+      }
+    }
+  }
+  std::printf("ring: error feedback\n");
+  for (int ranks = 2; ranks <= 4; ++ranks) {
+    for (Codec codec : codecs) {
+      for (bool in_order : {false, true}) {
+        check_error_feedback(ranks, 1009, codec, in_order, false, false);
+        check_error_feedback(ranks, 1009, codec, in_order, /*direct=*/true, false);
+        check_error_feedback(ranks, 250 * ranks, codec, in_order, false, /*scatter=*/true);
+      }
+    }
+  }
+  std::printf("ring: slices and call agreement\n");
   // slices: about eight per chunk, within [max / 4, max] bytes
   CHECK(ring_slice_elems(1 << 24, 4, 1, 1 << 20) == 1 << 19, "8 slices of a 4 MB chunk");
   CHECK(ring_slice_elems(1 << 24, 4, 4, 1 << 20) == 1 << 18, "1 MB slices cap a 16 MB chunk");
