@@ -115,6 +115,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 (the modes alternate over two passes), got {args.steps}")
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -149,7 +151,7 @@ def main():
     samples = {mode: [] for mode in list(WIRE) + ["compute only (no_sync)", "communication only (gradsync fp16)"]}
     passes = 2
     for pass_ in range(passes):
-        steps = max(1, args.steps // passes + (pass_ < args.steps % passes))
+        steps = args.steps // passes + (pass_ < args.steps % passes)
         for mode in WIRE:
             model = wrapped(mlp(device=device)[0], mode)
             with compiling(mode):

@@ -297,6 +297,19 @@ def _remove_hooks(handles):
         handle.remove()
 
 
+def _drain_failed_step(wrapper_ref, callback_ref):
+    """Run as autograd drops a backward's end-of-step callback: if the step did not finish (the
+    backward raised), its calls are waited for now, before the caller sees the error, so that none
+    writes into a gradient that is a bucket's view after the caller zeroed it or a later backward
+    added to it."""
+    wrapper = wrapper_ref()
+    if wrapper is not None and wrapper._in_backward and wrapper._step_callback is callback_ref:
+        for bucket in wrapper._buckets:
+            if bucket.work is not None:
+                with contextlib.suppress(Exception):  # the step is abandoned anyway
+                    bucket.work.wait()
+
+
 def _apart(tensors):
     """(the tensors that share memory with no other one, those that do): buffers may be views of
     one tensor (a model's rotary tables), which one unflatten must not write twice."""
@@ -336,7 +349,8 @@ class DataParallel(torch.nn.Module, Joinable):
       ``no_sync()`` (once per accumulated step), as DDP does, one broadcast per dtype. Unlike
       DDP's, that broadcast takes the buffers the module holds now (one replaced since wrapping
       too), so they must keep the shapes and dtypes they were wrapped with: a broadcasting
-      forward after one changed (a cache grown on demand) raises.
+      forward after one changed (a cache grown on demand, a cast after wrapping) raises on the
+      ranks where it changed, and the others wait in the broadcast until the group's timeout.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward usually produces them; the first bucket is 1 MiB so that communication starts
@@ -408,10 +422,13 @@ class DataParallel(torch.nn.Module, Joinable):
       part of its gradient would not be averaged.
     - ``with model.no_sync():`` backward passes accumulate local gradients without communicating;
       the next synchronized backward averages the accumulated gradients. As with DDP, what counts
-      is where the forward ran, not the backward: a forward made outside ``no_sync()`` makes the
-      backward passes that follow it communicate (every gradient they produce, that of a forward
-      made inside ``no_sync()`` meanwhile included); a forward made inside stops that once a
-      synchronized backward has run.
+      is where the forwards ran, not the backward: a forward made outside ``no_sync()`` (and that
+      returned) makes the backward passes after it communicate, every gradient they produce
+      included, that of a forward made inside ``no_sync()`` meanwhile too; a forward made inside
+      stops that once a synchronized backward has run. Unlike DDP, whose first backward after a
+      synchronized forward alone communicates, a second backward before the next forward (of a
+      second loss, or ``retain_graph=True``) communicates too, so that no replica keeps gradients
+      of its own.
     - ``torch.compile(model)``, or wrapping a compiled module, compiles the wrapped module; this
       wrapper's bookkeeping runs eagerly around it. As for DDP, Dynamo's DDPOptimizer splits the
       compiled forward at bucket boundaries (``bucket_cap_mb``, but never below its 1 MiB first
@@ -480,11 +497,11 @@ class DataParallel(torch.nn.Module, Joinable):
             [[id(p) for p in module.parameters()], [id(b) for b in module.buffers()]]
         self._sync = True  # False inside no_sync()
         self._forward_synced = True  # whether the last forward with gradients ran outside no_sync()
-        # as DDP: a forward outside no_sync() makes the backward passes communicate, and a forward
-        # inside it stops them only once a synchronized step has run since the last one outside
+        # a forward outside no_sync() makes the backward passes after it communicate (DDP: only the
+        # first), and a forward inside it stops them only once a synchronized step has run since
         self._backward_syncs = True
         self._sync_pending = False  # a forward outside no_sync() whose step has not run yet
-        self._step_alive = lambda: None  # while the backward of this step runs: its end-of-step callback
+        self._step_callback = lambda: None  # a weak reference to this step's end-of-step callback
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
         self._bucket_cap_mb, self._error_feedback = bucket_cap_mb, error_feedback  # for copies
@@ -631,10 +648,11 @@ class DataParallel(torch.nn.Module, Joinable):
         if [(b.shape, b.dtype) for b in buffers] == self._buffer_layouts:
             return self._broadcast(buffers, src)
         now = list(self.module.named_buffers())
-        changed = next((f"buffer {name!r} is {tuple(b.shape)} {b.dtype} but was {tuple(shape)} {dtype}"
-                        for (name, b), (shape, dtype) in zip(now, self._buffer_layouts)
-                        if (b.shape, b.dtype) != (shape, dtype)),
-                       f"the module has {len(now)} buffers but had {len(self._buffer_layouts)}")
+        changed = f"the module has {len(now)} buffers but had {len(self._buffer_layouts)}"
+        if len(now) == len(self._buffer_layouts):  # else buffers cannot be paired by their place
+            changed = next(f"buffer {name!r} is {tuple(b.shape)} {b.dtype} but was {tuple(shape)} {dtype}"
+                           for (name, b), (shape, dtype) in zip(now, self._buffer_layouts)
+                           if (b.shape, b.dtype) != (shape, dtype))
         raise RuntimeError(f"gradsync.DataParallel: {changed} when it was wrapped. Buffers are broadcast from one "
                            "rank before every training forward, so every rank must keep them as they were wrapped; "
                            "give buffers their final size before wrapping, or pass broadcast_buffers=False")
@@ -706,10 +724,6 @@ class DataParallel(torch.nn.Module, Joinable):
             self._announced = self._announce(joined=False, broadcasts=broadcasts)
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
-            if self._sync:
-                self._backward_syncs = self._sync_pending = True
-            elif not self._sync_pending:
-                self._backward_syncs = False
         if broadcasts:
             self._broadcast_buffers(self._buffers_seen, self._announced.source if self._join_config.enable else None)
         self._hand_hint_to_dynamo()
@@ -717,6 +731,11 @@ class DataParallel(torch.nn.Module, Joinable):
     @_eager_under_compile
     def _after_forward(self, output):
         self._take_hint_back()
+        if torch.is_grad_enabled():  # once the forward returned: one that raised changes nothing
+            if self._sync:
+                self._backward_syncs = self._sync_pending = True
+            elif not self._sync_pending:
+                self._backward_syncs = False
         if self.find_unused_parameters and self._backward_syncs and torch.is_grad_enabled():
             reached = _reached_leaves(output)
             if not reached & self._trainable_ids:  # an output the walk cannot look into: wait for every one
@@ -858,11 +877,16 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
                                "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
                                "sparse=False))")
-        bucket = self._bucket_of[id(param)]
-        if bucket.views is not None and bucket.work is None:
-            bucket.adopt(self._index_of[id(param)])
-        if self._step_failed():
+        bucket, j = self._bucket_of[id(param)], self._index_of[id(param)]
+        if self._step_failed():  # the backward before this one raised
+            kept = param.grad.clone() if bucket.views is not None and bucket.work is not None and bucket.holds(j) \
+                else None
             self._abandon_step()
+            if kept is not None:  # this backward's gradient, accumulated into the view the abandon zeroes
+                with torch.no_grad():
+                    bucket.view(j).copy_(kept)
+        if bucket.views is not None and bucket.work is None:
+            bucket.adopt(j)
         if not self._backward_syncs:
             self._used.add(id(param))
             return
@@ -907,13 +931,14 @@ class DataParallel(torch.nn.Module, Joinable):
         self._prescale = 1.0 / ranks
         self._in_backward = True
         finish = self._finish_backward  # autograd holds it until the backward ends, whether it runs or not
-        self._step_alive = weakref.ref(finish)
+        self._step_callback = weakref.ref(finish)
+        weakref.finalize(finish, _drain_failed_step, weakref.ref(self), self._step_callback)
         torch.autograd.Variable._execution_engine.queue_callback(finish)
 
     def _step_failed(self):
         """Whether this step's backward ended without reaching its end (it raised): it is over, or
         autograd dropped its end-of-step callback with it."""
-        return self._in_backward and (torch._C._current_graph_task_id() == -1 or self._step_alive() is None)
+        return self._in_backward and (torch._C._current_graph_task_id() == -1 or self._step_callback() is None)
 
     def _reaches(self, param):
         return self._reached is None or id(param) in self._reached

@@ -877,7 +877,10 @@ def buffers_of_many_kinds(rank, size):
             b.fill_(rank + 1 if b.dtype != torch.bool else rank == 0)
     calls = []
     broadcast = dist.broadcast
-    dist.broadcast = lambda tensor, *args, **kwargs: (calls.append(str(tensor.dtype)), broadcast(tensor, *args, **kwargs))[1]
+    def counted(tensor, *args, **kwargs):
+        calls.append(str(tensor.dtype))
+        return broadcast(tensor, *args, **kwargs)
+    dist.broadcast = counted
     try:
         model(torch.randn(4, 4))
     finally:
@@ -965,7 +968,8 @@ def forwards_and_backwards_around_no_sync(rank, size):
 
     def grads(kind, run):
         net = TwoLayers()
-        model = {"ddp": DDP, "dp": functools.partial(gradsync.DataParallel, codec="none", bucket_cap_mb=1e-5)}[kind](net)
+        wrap = DDP if kind == "ddp" else functools.partial(gradsync.DataParallel, codec="none", bucket_cap_mb=1e-5)
+        model = wrap(net)
         run(model, model.no_sync)
         return [p.grad.clone() for p in net.parameters()]
 
@@ -1002,31 +1006,46 @@ def forwards_and_backwards_around_no_sync(rank, size):
                             all(torch.equal(g, l) for g, l in zip(grads(kind, run), local)))
                      for kind in (["ddp", "dp"] if name != "inside then outside" else ["dp"])}
 
-    net = TwoLayers()
-    model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=1e-5)
-    net.fail = True
-    h, y = model(x)
-    with pytest.raises(ValueError, match="backward failed"):
-        y.sum().backward(retain_graph=True)  # after the second layer's buckets went out
-    model.zero_grad()
-    h.sum().backward()  # no forward between: this backward abandons the failed one, then communicates
-    _, average = expected(lambda plain, _: plain(x)[0].sum().backward())
-    out["again after a failure"] = all(torch.allclose(p.grad, a, atol=1e-6)
-                                       for p, a in zip(net.a.parameters(), average[:2]))
-    out["b untouched"] = net.b.weight.grad is None
-    model.zero_grad()
-    model(x)[1].sum().backward()  # and the next step is a step like any other
-    out["next step"] = all(torch.allclose(p.grad, a, atol=1e-6)
-                           for p, a in zip(net.parameters(), expected(lambda plain, _: plain(x)[1].sum().backward())[1]))
+    _, first_layer = expected(lambda plain, _: plain(x)[0].sum().backward())
+    _, both_layers = expected(lambda plain, _: plain(x)[1].sum().backward())
+    for views in (False, True):  # with views the gradients are the buckets, which the abandon zeroes
+        net = TwoLayers()
+        model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=1e-5, gradient_as_bucket_view=views)
+        model(x)[1].sum().backward()  # a first step: the gradients are views from now on
+        net.fail = True
+        h, y = model(x)
+        with pytest.raises(ValueError, match="backward failed"):
+            y.sum().backward(retain_graph=True)  # after the second layer's buckets went out
+        model.zero_grad(set_to_none=not views)
+        # no forward between: this backward abandons the failed one, then communicates. With views,
+        # it reaches first the second layer, whose gradients' buckets the abandon zeroes
+        (y if views else h).sum().backward()
+        again = zip(net.parameters(), both_layers) if views else zip(net.a.parameters(), first_layer[:2])
+        out[f"again after a failure, views {views}"] = all(torch.allclose(p.grad, a, atol=1e-6) for p, a in again)
+        out[f"b untouched, views {views}"] = views or all(p.grad is None for p in net.b.parameters())
+        model.zero_grad()
+        model(x)[1].sum().backward()  # and the next step is a step like any other
+        out[f"next step, views {views}"] = all(torch.allclose(p.grad, a, atol=1e-6)
+                                               for p, a in zip(net.parameters(), both_layers))
+
+    net = TwoLayers()  # a forward that raised (a batch skipped) leaves no backward communicating
+    model = gradsync.DataParallel(net, codec="none")
+    with pytest.raises(RuntimeError):
+        model(torch.randn(3, 5))  # the wrong width
+    with model.no_sync():
+        model(x)[1].sum().backward()
+    out["no_sync after a forward that raised"] = all(torch.equal(p.grad, g) for p, g in zip(
+        net.parameters(), expected(lambda plain, _: plain(x)[1].sum().backward())[0]))
     return out
 
 
 def test_data_parallel_forwards_decide_whether_backward_communicates_and_a_retried_backward_does(worlds):
     results = worlds(2).run(forwards_and_backwards_around_no_sync)
+    names = ("outside then inside", "inside then outside", "accumulated", "inside after autograd.grad")
     for out in results:
-        for name in ("outside then inside", "inside then outside", "accumulated", "inside after autograd.grad"):
+        for name in names:
             assert all(averaged and not local for averaged, local in out[name].values()), (name, out[name])
-        assert out["again after a failure"] and out["b untouched"] and out["next step"], out
+        assert all(v for k, v in out.items() if k not in names), out
 
 
 def wrap_again(rank, size):

@@ -245,7 +245,8 @@ void run_rank(Hub& hub, int r, bool in_order, CpuRingKernels& kernels, const Rin
   if (call.direct) direct_allreduce(tags, kernels, call.numel, recv_image.data(), send_image.data(), kTagBase);
   else if (call.scatter) ring_reduce_scatter(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
   else ring_allreduce(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
-  if (!tags.problems().empty() || !guard.problems().empty()) throw std::logic_error(tags.problems() + guard.problems());
+  const std::string problems = tags.problems() + (tags.problems().empty() ? "" : "; ") + guard.problems();
+  if (!problems.empty()) throw std::logic_error(problems);
 }
 
 // `ranks` inputs of small integers, whose every partial sum is exact in fp16 and bf16, and their sum.
