@@ -62,8 +62,8 @@ def with_feedback(codec, group):
 
 def implementations(n, group, feedback=False, numel=None, device=None):
     """{name: (fn, the codec its wire carries, as gradsync.payload_nbytes names it)}; with a numel and
-    CPU tensors that take gradsync's direct exchange, also gradsync fp16 through the ring ("gradsync fp16 ring") and without the agreement
-    check ("gradsync fp16 unchecked"), side by side."""
+    CPU tensors that take gradsync's direct exchange, also gradsync fp16 through the ring ("gradsync
+    fp16 ring") and without the agreement check ("gradsync fp16 unchecked"), side by side."""
     def torch_fp32(x):
         dist.all_reduce(x, group=group)
         x.div_(n)
