@@ -932,7 +932,8 @@ class DataParallel(torch.nn.Module, Joinable):
         self._in_backward = True
         finish = self._finish_backward  # autograd holds it until the backward ends, whether it runs or not
         self._step_callback = weakref.ref(finish)
-        weakref.finalize(finish, _drain_failed_step, weakref.ref(self), self._step_callback)
+        drain = weakref.finalize(finish, _drain_failed_step, weakref.ref(self), self._step_callback)
+        drain.atexit = False  # a step cut short by the interpreter's exit has nothing left to protect
         torch.autograd.Variable._execution_engine.queue_callback(finish)
 
     def _step_failed(self):
