@@ -325,7 +325,7 @@ def main():
         parser.error(f"--min-bytes must be a positive multiple of 4 bytes (fp32 elements) and at most --max-bytes, "
                      f"got {args.min_bytes} and {args.max_bytes}")
     if args.impls and not args.accuracy:
-        names = [*implementations(2, None, args.feedback), "gradsync fp16 ring", "gradsync fp16 unchecked"]
+        names = list(implementations(2, None, args.feedback, 1, torch.device("cpu")))  # every name there is
         if not any(s in name for name in names for s in args.impls):
             parser.error(f"--impls {' '.join(args.impls)} matches none of: {', '.join(names)}")
     if args.accuracy and args.plot:

@@ -642,11 +642,11 @@ class DataParallel(torch.nn.Module, Joinable):
             self._index_of[id(p)] = j
         self._buckets.append(bucket)
 
-    def _broadcast_buffers(self, buffers, src):
+    def _check_buffers(self, buffers):
         """Each rank broadcasts the buffers as it holds them, so they must keep the shapes and dtypes
         every rank agreed on at wrapping: a buffer grown on one rank would take part of another's values."""
         if [(b.shape, b.dtype) for b in buffers] == self._buffer_layouts:
-            return self._broadcast(buffers, src)
+            return
         now = list(self.module.named_buffers())
         changed = f"the module has {len(now)} buffers but had {len(self._buffer_layouts)}"
         if len(now) == len(self._buffer_layouts):  # else buffers cannot be paired by their place
@@ -667,14 +667,13 @@ class DataParallel(torch.nn.Module, Joinable):
                 by_dtype.setdefault(t.dtype, []).append(t)
         for dtype, group in by_dtype.items():
             data, aliased = _apart([t.detach() for t in group])
-            if data and dtype in FLOAT_DTYPES:
-                flat = flatten(data)
+            if data:  # one broadcast per dtype; the fused kernels take floats, torch.cat the rest (step counts)
+                fused = dtype in FLOAT_DTYPES
+                flat = flatten(data) if fused else torch.cat([t.reshape(-1) for t in data])
                 dist.broadcast(flat, src=src, group=self.process_group)
-                unflatten(flat, data)
-            elif data:  # integer and bool buffers (BatchNorm's step counts): one broadcast too
-                flat = torch.cat([t.reshape(-1) for t in data])
-                dist.broadcast(flat, src=src, group=self.process_group)
-                with torch.no_grad():
+                if fused:
+                    unflatten(flat, data)
+                else:
                     for t, part in zip(data, flat.split([t.numel() for t in data])):
                         t.copy_(part.view(t.shape))
             for t in aliased:  # each takes the root's values, whatever the others wrote
@@ -725,7 +724,8 @@ class DataParallel(torch.nn.Module, Joinable):
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
         if broadcasts:
-            self._broadcast_buffers(self._buffers_seen, self._announced.source if self._join_config.enable else None)
+            self._check_buffers(self._buffers_seen)
+            self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
         self._hand_hint_to_dynamo()
 
     @_eager_under_compile
@@ -850,7 +850,8 @@ class DataParallel(torch.nn.Module, Joinable):
         if announced.with_grad:  # the others' next forward broadcasts buffers, or not, as this one's does
             self._forward_synced = announced.synchronizes
         if announced.broadcasts:
-            self._broadcast_buffers(self._buffers_seen, announced.source)
+            self._check_buffers(self._buffers_seen)
+            self._broadcast(self._buffers_seen, announced.source)
         if not announced.synchronizes:
             return
         ranks = self.process_group.size() if self._divide_by_initial_world_size else len(announced.active)
@@ -866,10 +867,10 @@ class DataParallel(torch.nn.Module, Joinable):
         group = self.process_group
         last = torch.tensor([group.rank() if is_last_joiner else -1], device=self._device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
-        source = dist.get_global_rank(group, int(last.item()))
-        self._broadcast(list(self.module.parameters()), source)
-        if self.broadcast_buffers:
-            self._broadcast_buffers(list(self.module.buffers()), source)
+        buffers = list(self.module.buffers()) if self.broadcast_buffers else []
+        if buffers:
+            self._check_buffers(buffers)
+        self._broadcast(list(self.module.parameters()) + buffers, dist.get_global_rank(group, int(last.item())))
         self._leave_join()
 
     def _on_grad(self, param):
