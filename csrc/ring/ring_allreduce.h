@@ -150,7 +150,9 @@ void compare_ring_calls(const RingCall* table, int n, int self);
 // slice by slice as the reduced payloads arrive (decoded while they are still in cache), and, where
 // it doubles as the payload (RingKernels::result_as_payload), by the reduce-scatter's kernels, each
 // element after its one read of the input: result and input may be the same memory. A transport
-// failure can leave the result partly written.
+// failure can leave the result partly written, and the transport may still hold receives posted into
+// both images (and, where result_as_payload, the result) and sends from them: after a throw the
+// caller keeps that memory alive, or the transport shut down, before reusing or freeing it.
 void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base);
 
