@@ -41,7 +41,9 @@ class GradSyncState:
     accumulating in the weights. Residuals are keyed by the bucket's parameters: when DDP rebuilds
     its buckets after the first step, each parameter's residual moves with it into its new bucket.
     Under DDP's ``find_unused_parameters=True``, a parameter no rank used in a step loses the
-    residual sent for it (DDP drops its slot), as with torch's PowerSGD. Residuals go with the state
+    residual sent for it (DDP drops its slot), as with torch's PowerSGD; but where its gradient is
+    that slot (``gradient_as_bucket_view``, gradients zeroed rather than set to None) the gradient
+    holds the averaged residual, and the optimizer steps it. Residuals go with the state
     (and with their parameters): a new state for each run of a long-lived model keeps no old copy.
 
     A state can be saved with the training checkpoint (``torch.save``, pickle) and registered again
@@ -202,17 +204,37 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     group, options = _resolve_state(state)
     codec = codec or options.codec
     buffer = bucket.buffer()
+    reduced = _reducible(buffer, codec)
     residual = options.residual(bucket) if options.error_feedback else None
     check = options.needs_check(bucket, codec)
-    work = all_reduce(buffer, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
+    work = all_reduce(reduced, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
                       async_op=True, residual=residual, check_call=check)
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
     agreed = check and bool(bucket.parameters())
-    return work.get_future().then(options._value_once_agreed(bucket, codec) if agreed else _value)
+    done = work.get_future().then(options._value_once_agreed(bucket, codec) if agreed else _value)
+    return done if reduced is buffer else done.then(_copy_into(buffer))
 
 
 def _value(fut):
     return fut.value()
+
+
+def _reducible(buffer: torch.Tensor, codec: str) -> torch.Tensor:
+    """The tensor a hook reduces: the bucket, or, for the float64 bucket of a float64 model, an fp32
+    copy of it (gradsync's rings sum in fp32, and a compressing codec rounds far coarser than that)."""
+    if buffer.dtype != torch.float64:
+        return buffer
+    if codec == "none":
+        raise TypeError("gradsync's DDP hooks: the bucket is float64, and codec 'none' would reduce it in fp32, "
+                        "gradsync's accumulation precision; use torch's own all-reduce (no hook) for float64 gradients "
+                        "or pass a compressing codec")
+    return buffer.float()
+
+
+def _copy_into(buffer: torch.Tensor):
+    def copy(fut):
+        return buffer.copy_(fut.value())
+    return copy
 
 
 def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -370,10 +392,13 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         raise RuntimeError(f"gradsync.hooks.hierarchical_hook: an earlier step failed ({state.broken}); this state's "
                            "groups may hold collectives its peers still wait in")
     buffer = bucket.buffer()
+    reduced = _reducible(buffer, state.codec)
     shard_numel = -(-buffer.numel() // state.local_group.size())
     residual = state.shard_residual(bucket, shard_numel, buffer.device) if state.error_feedback else None
     check = state.needs_check(bucket, state.codec)
-    done = hierarchical_average(buffer, state.local_group, state.cross_group, state.codec, check, residual)
+    done = hierarchical_average(reduced, state.local_group, state.cross_group, state.codec, check, residual)
+    if reduced is not buffer:
+        done = done.then(_copy_into(buffer))
 
     def failed(fut):
         try:

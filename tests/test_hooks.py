@@ -402,6 +402,25 @@ def test_ddp_options_with_the_fp16_hook(worlds, options):
     assert relative(results[0]["hook:fp16"][1], results[0]["ddp"][1]) < 1e-3
 
 
+def float64_models(rank, size):
+    results = train_modes(rank, size, ["ddp", "hook:fp16", "hook:fp8+ef", "hier:bf16"], 8, {"dtype": torch.float64})
+    model = wrap(make_net(dtype=torch.float64), "hook:none")
+    x, y = batch(rank, 0, dtype=torch.float64)
+    with pytest.raises(Exception, match="the bucket is float64, and codec 'none' would reduce it in fp32"):
+        F.mse_loss(model(x), y).backward()
+    return results
+
+
+def test_hooks_reduce_a_float64_model_through_fp32_copies_and_refuse_codec_none_for_it(worlds):
+    """torch's fp16 hook takes float64 buckets too; gradsync's compressing hooks reduce an fp32 copy
+    and write it back, and codec "none" refuses rather than sum a float64 model in fp32."""
+    results = worlds(4).run(float64_models)
+    check_ranks_agree(results)
+    reference = results[0]["ddp"][1]
+    for mode, tolerance in [("hook:fp16", 1e-4), ("hook:fp8+ef", 5e-3), ("hier:bf16", 1e-3)]:
+        assert relative(results[0][mode][1], reference) < tolerance, mode
+
+
 def unused_parameter(rank, size, dtype_name):
     dtype = getattr(torch, dtype_name)
     model = gradsync.DataParallel(make_net(unused=True, dtype=dtype), codec="fp16", bucket_cap_mb=BUCKET_MB)
