@@ -83,12 +83,13 @@ class ReduceScatter(_ReduceScatterComm):
             if residual is None:
                 residual = self._residuals[key] = torch.zeros(input_tensor.numel(), dtype=torch.float32,
                                                               device=input_tensor.device)
+        checked = (*key, group)  # a layout is checked again on a group of its own (a separate reduce-scatter group)
         work = reduce_scatter(output_tensor, input_tensor, op=op, codec=self.codec, group=group, async_op=True,
-                              check_call=key not in self._checked, residual=residual)
+                              check_call=checked not in self._checked, residual=residual)
         if async_op:  # checked again next time: whether this one succeeded is known at its wait()
             return work
         work.wait()
-        self._checked.add(key)  # on every rank alike: the call succeeded everywhere or raised everywhere
+        self._checked.add(checked)  # on every rank alike: the call succeeded everywhere or raised everywhere
         return None
 
 

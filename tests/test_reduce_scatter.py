@@ -396,6 +396,9 @@ def fsdp_checks(rank, size):
         for _ in range(2):
             scatter(torch.empty(4), x, group, avg)
             scatter(torch.empty(8), y, group, avg)
+        separate = dist.new_group(list(range(size)))  # FSDP2's set_separate_reduce_scatter_group
+        for _ in range(2):
+            scatter(torch.empty(4), x, separate, avg)
         for _ in range(2):
             replicas(torch.randn(5))
     finally:
@@ -405,7 +408,8 @@ def fsdp_checks(rank, size):
 
 def test_fsdp2_hooks_check_each_layout_until_a_call_of_it_succeeds(worlds):
     pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
-    expected = [("rs", True), ("rs", True), ("rs", True), ("rs", False), ("rs", False), ("ar", True), ("ar", False)]
+    expected = [("rs", True), ("rs", True), ("rs", True), ("rs", False), ("rs", False), ("rs", True), ("rs", False),
+                ("ar", True), ("ar", False)]
     assert worlds(2).run(fsdp_checks) == [expected, expected]
 
 
