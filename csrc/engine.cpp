@@ -72,17 +72,18 @@ RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
 RingEngine::~RingEngine() {
   stop();
 #ifdef GRADSYNC_WITH_CUDA
-  if (nccl_) {
+  if (stream_device_ >= 0) {  // streams made for a join, whether or not it succeeded
     int current = -1;
     const bool restore = cudaGetDevice(&current) == cudaSuccess;
-    cudaSetDevice(nccl_->device());
+    cudaSetDevice(stream_device_);
+    nccl_comm_.store(nullptr, std::memory_order_release);
     nccl_.reset();
     // the device workspaces go back to torch's allocator while the stream they were made on exists
     recv_image_ = at::Tensor();
     send_image_ = at::Tensor();
     check_table_ = at::Tensor();
-    cudaStreamDestroy(compute_stream_);
-    cudaStreamDestroy(wire_stream_);
+    if (compute_stream_) cudaStreamDestroy(compute_stream_);
+    if (wire_stream_) cudaStreamDestroy(wire_stream_);
     if (restore) cudaSetDevice(current);  // the destroying thread's device, as it was
   }
 #endif
@@ -90,7 +91,7 @@ RingEngine::~RingEngine() {
 
 void RingEngine::attach_nccl(const std::string& unique_id, int device, double timeout_s) {
 #ifdef GRADSYNC_WITH_CUDA
-  TORCH_CHECK(!nccl_, "gradsync: this group already has an NCCL communicator");
+  TORCH_CHECK(!nccl(), "gradsync: this group already has an NCCL communicator");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   // What can fail on this rank alone comes before the join, which the peers wait in (until the
   // timeout) for a rank that never comes. The check's table is made once: allocated per call, it
@@ -107,12 +108,20 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
                 "): was it built for this GPU's architecture? python -m gradsync.report shows the arch list it was "
                 "built for (TORCH_CUDA_ARCH_LIST at build time)");
   }
+  if (stream_device_ != device && stream_device_ >= 0) {  // a failed join's streams, on another GPU
+    const c10::cuda::CUDAGuard old(static_cast<c10::DeviceIndex>(stream_device_));
+    if (compute_stream_) cudaStreamDestroy(compute_stream_);
+    if (wire_stream_) cudaStreamDestroy(wire_stream_);
+    compute_stream_ = wire_stream_ = nullptr;
+  }
+  stream_device_ = device;
   if (!compute_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream_, cudaStreamNonBlocking));
   if (!wire_stream_) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&wire_stream_, cudaStreamNonBlocking));
   auto comm = std::make_unique<NcclComm>(unique_id, rank(), size(), device, static_cast<int64_t>(timeout_s * 1000));
   std::lock_guard<std::mutex> lock(mutex_);  // published to the worker through the queue's mutex
   check_table_ = std::move(table);
   nccl_ = std::move(comm);
+  nccl_comm_.store(nccl_.get(), std::memory_order_release);
 #else
   (void)unique_id, (void)device, (void)timeout_s;
   TORCH_CHECK(false, "gradsync was built without CUDA");
@@ -121,7 +130,7 @@ void RingEngine::attach_nccl(const std::string& unique_id, int device, double ti
 
 std::string RingEngine::broken() const {
 #ifdef GRADSYNC_WITH_CUDA
-  if (broken_.empty() && nccl_ && nccl_->aborted()) {
+  if (broken_.empty() && nccl() && nccl()->aborted()) {
     return "gradsync: this group's NCCL communicator was aborted after an earlier failure; later calls on the group raise";
   }
 #endif
@@ -130,7 +139,7 @@ std::string RingEngine::broken() const {
 
 int RingEngine::nccl_device() const {
 #ifdef GRADSYNC_WITH_CUDA
-  return nccl_ ? nccl_->device() : -1;
+  return nccl() ? nccl()->device() : -1;
 #else
   return -1;
 #endif
@@ -243,7 +252,7 @@ void RingEngine::run() {
     settled_posted_ = transport_.posted();
     bool nccl_aborted_before = false;
 #ifdef GRADSYNC_WITH_CUDA
-    nccl_aborted_before = nccl_ && nccl_->aborted();
+    nccl_aborted_before = nccl() && nccl()->aborted();
 #endif
     try {
       if (!broken_.empty()) throw std::runtime_error(broken_);
@@ -279,7 +288,7 @@ void RingEngine::after_failure(const Job& job, const char* what, bool nccl_abort
   const bool in_flight = transport_.posted() != settled_posted_;
   bool device_in_flight = false;
 #ifdef GRADSYNC_WITH_CUDA
-  device_in_flight = nccl_ && nccl_->aborted() && !nccl_aborted_before;
+  device_in_flight = nccl() && nccl()->aborted() && !nccl_aborted_before;
 #else
   (void)nccl_aborted_before;
 #endif
@@ -328,7 +337,7 @@ void RingEngine::execute(Job& job) {
   while (ring_tag_span(plan_of(slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
   const RingPlan plan = plan_of(slice_elems);
 #ifdef GRADSYNC_WITH_CUDA
-  if (t.is_cuda() && nccl_) return execute_nccl(job, plan, slice_elems);
+  if (t.is_cuda() && nccl()) return execute_nccl(job, plan, slice_elems);
 #endif
 
   // small host buffers: the direct exchange (its final sum has no CUDA twin, so CUDA tensors take the ring)
@@ -422,9 +431,9 @@ void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,
 void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems) {
   const at::Tensor& t = job.tensor;
   const RingOptions& o = job.options;
-  TORCH_CHECK(t.device().index() == nccl_->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
-              nccl_->device(), " but the tensor is on ", t.device());
-  TORCH_CHECK(!nccl_->aborted(), "gradsync.all_reduce: this group's NCCL communicator was aborted after an earlier "
+  TORCH_CHECK(t.device().index() == nccl()->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
+              nccl()->device(), " but the tensor is on ", t.device());
+  TORCH_CHECK(!nccl()->aborted(), "gradsync.all_reduce: this group's NCCL communicator was aborted after an earlier "
               "failure; later calls on the group raise");
   // buffers allocated here come from the compute stream's pool (see execute)
   const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(compute_stream_, t.device().index()));
@@ -437,7 +446,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     try {
       body();
     } catch (const std::exception& e) {
-      if (nccl_->abort(compute_stream_)) throw;
+      if (nccl()->abort(compute_stream_)) throw;
       new at::Tensor(t);  // leaked on purpose: kernels still queued may write them
       if (job.output.defined()) new at::Tensor(job.output);
       if (o.residual.defined()) new at::Tensor(o.residual);
@@ -445,7 +454,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       throw std::runtime_error(std::string(e.what()) + "; the call's kernels were still queued 10 s after the abort, so "
                                "the tensor (and residual) may still change: gradsync keeps them allocated");
     } catch (...) {
-      nccl_->abort(compute_stream_);
+      nccl()->abort(compute_stream_);
       throw;
     }
   };
@@ -473,10 +482,10 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       auto* records = reinterpret_cast<RingCall*>(check_table_.data_ptr<uint8_t>());
       std::vector<RingCall> host(n);
       aborting_on_failure([&] {
-        NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+        NcclTransport transport(*nccl(), compute_stream_, wire_stream_);
         C10_CUDA_CHECK(cudaMemcpyAsync(records + rank(), &call, record, cudaMemcpyHostToDevice, compute_stream_));
         exchange_ring_calls(transport, records, 0);
-        nccl_->synchronize(compute_stream_);
+        nccl()->synchronize(compute_stream_);
         // on the compute stream, not the legacy default one, which would wait for the caller's work
         C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), records, n * record, cudaMemcpyDeviceToHost, compute_stream_));
         C10_CUDA_CHECK(cudaStreamSynchronize(compute_stream_));
@@ -485,16 +494,16 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     });
   }
   if (unprepared) {
-    if (!o.check_call && n > 1) nccl_->abort(compute_stream_);  // the peers are in the ring, matched by order
+    if (!o.check_call && n > 1) nccl()->abort(compute_stream_);  // the peers are in the ring, matched by order
     std::rethrow_exception(unprepared);
   }
   aborting_on_failure([&] {
     // the check does not touch the tensor, so it need not wait for the caller's stream
     C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
-    NcclTransport transport(*nccl_, compute_stream_, wire_stream_);
+    NcclTransport transport(*nccl(), compute_stream_, wire_stream_);
     if (job.output.defined()) ring_reduce_scatter(transport, *kernels, plan, recv_image, send_image, 0);
     else ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
-    nccl_->synchronize(compute_stream_);
+    nccl()->synchronize(compute_stream_);
   });
 }
 #endif

@@ -6,6 +6,7 @@
 #include <c10/core/Stream.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -123,9 +124,14 @@ class RingEngine {
   uint32_t sequence_ = 0;
   at::Tensor recv_image_, send_image_;
 #ifdef GRADSYNC_WITH_CUDA
+  // The communicator, attached by a caller's thread while the worker may be running a CPU call:
+  // others read it through nccl(), never through the owning pointer.
+  NcclComm* nccl() const { return nccl_comm_.load(std::memory_order_acquire); }
   std::unique_ptr<NcclComm> nccl_;
+  std::atomic<NcclComm*> nccl_comm_{nullptr};
   at::Tensor check_table_;  // the agreement check's records, in device memory
   cudaStream_t compute_stream_ = nullptr, wire_stream_ = nullptr;
+  int stream_device_ = -1;
 #endif
   std::thread worker_;
 };

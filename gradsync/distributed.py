@@ -337,10 +337,13 @@ def _refuse(group, tensor, check_call, scatter, error):
         if group.size() == 1:
             return
         engine = _engines.get(group)
+        cuda_tensor = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
         if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
-            device = torch.device("cuda", engine.nccl_device if engine is not None and engine.nccl_device >= 0
-                                  else torch.cuda.current_device())
-        elif isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            if engine is not None and engine.nccl_device >= 0:
+                device = torch.device("cuda", engine.nccl_device)
+            else:  # joined here: on the refused call's GPU, as its peers join on theirs
+                device = tensor.device if cuda_tensor else torch.device("cuda", torch.cuda.current_device())
+        elif cuda_tensor:
             device = tensor.device
         else:
             device = torch.device("cpu")

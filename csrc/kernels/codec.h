@@ -1,6 +1,7 @@
 // Gradient codecs: names, wire payload layout, and the kernel entry points of both back ends.
 //
-// Payload layout (the same bytes on CPU and CUDA, and on the wire):
+// Payload layout (the same bytes on CPU and CUDA, and on the wire; a NaN's own bits may differ
+// between back ends and instruction sets, as the README says):
 //   "none"                 n elements of the input dtype
 //   "fp16" / "bf16"        n IEEE half / bfloat16 values
 //   "fp8_e4m3" / "fp8_e5m2"

@@ -140,7 +140,8 @@ void NcclComm::synchronize(cudaStream_t stream) {
       fail(std::string("an all-reduce kernel failed: ") + cudaGetErrorString(state));
     }
     ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &async);
+    const ncclResult_t queried = ncclCommGetAsyncError(comm_, &async);
+    if (queried != ncclSuccess) async = queried;
     if (async != ncclSuccess && async != ncclInProgress) {
       cudaEventDestroy(done);
       fail("an NCCL transfer failed: " + describe(async), stream);

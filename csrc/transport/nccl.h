@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -43,7 +44,7 @@ class NcclComm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
-  bool aborted() const { return aborted_; }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Blocks until `stream` has drained. On an NCCL or CUDA error, or after the timeout, aborts the
   // communicator and throws.
   void synchronize(cudaStream_t stream);
@@ -62,7 +63,7 @@ class NcclComm {
   ncclComm_t comm_ = nullptr;
   int rank_, size_, device_;
   int64_t timeout_ms_;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};  // read by other threads than the one that aborts
 };
 
 class NcclTransport : public Transport {
