@@ -66,8 +66,8 @@ void RingWork::complete(std::exception_ptr error) {
   tensor_ = at::Tensor();
 }
 
-RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : transport_(std::move(group)), worker_([this] { run(); }) {}
+RingEngine::RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, uint32_t first_sequence)
+    : transport_(std::move(group)), sequence_(first_sequence), worker_([this] { run(); }) {}
 
 RingEngine::~RingEngine() {
   stop();
@@ -208,10 +208,11 @@ std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, bool scatte
 }
 
 namespace {
-thread_local bool t_on_worker = false;
+thread_local const RingEngine* t_worker_of = nullptr;
 }  // namespace
 
-bool RingEngine::on_worker_thread() { return t_on_worker; }
+bool RingEngine::on_worker_thread() { return t_worker_of != nullptr; }
+bool RingEngine::on_own_worker_thread() const { return t_worker_of == this; }
 
 std::shared_ptr<RingWork> RingEngine::submit(Job job) {
   const at::Tensor& tensor = job.tensor;
@@ -238,7 +239,7 @@ std::shared_ptr<RingWork> RingEngine::submit(Job job) {
 }
 
 void RingEngine::run() {
-  t_on_worker = true;
+  t_worker_of = this;
   for (;;) {
     Job job;
     {
@@ -547,9 +548,12 @@ void bind_ring(pybind11::module& m) {
       .def("is_completed", &RingWork::is_completed)
       .def("get_future", [](const RingWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
   py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>())
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, uint32_t>(), py::arg("group"), py::arg("first_sequence") = 0)
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def("abandon_group", &RingEngine::abandon_group)
+      .def("release_group", &RingEngine::release_group, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("sequence", &RingEngine::sequence)
+      .def_property_readonly("on_own_worker_thread", &RingEngine::on_own_worker_thread)
       // In a forked child: the engine's thread did not survive the fork, and its mutex and condition
       // variable are as that thread left them, so stopping or destroying the engine could wait
       // forever. It is kept, untouched, for the rest of the process.

@@ -58,7 +58,9 @@ struct RingOptions {
 
 class RingEngine {
  public:
-  explicit RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // `first_sequence`: where the calls' tags start, the count of calls that earlier engines of the
+  // group made (sequence()), so that an engine made after shutdown() pairs with peers that kept theirs.
+  explicit RingEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, uint32_t first_sequence = 0);
   ~RingEngine();
   std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
   // `output` becomes this rank's chunk of `input` (size() chunks) reduced across the group.
@@ -68,13 +70,20 @@ class RingEngine {
   // with this rank's next one. `placeholder`: an empty float32 tensor on the device the call would
   // have used. The returned work fails with `why`.
   std::shared_ptr<RingWork> refuse(at::Tensor placeholder, bool scatter, const RingOptions& options, std::string why);
-  // Whether the calling thread is an engine's worker (running a call's future callbacks, say).
+  // Whether the calling thread is an engine's worker (running a call's future callbacks, say), and
+  // whether it is this engine's, which a call waited for there would wait for forever.
   static bool on_worker_thread();
+  bool on_own_worker_thread() const;
+  // How many calls this engine's group has made (earlier engines' included); read it once stopped.
+  uint32_t sequence() const { return sequence_; }
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
   void stop();
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
+  // Drops this engine's reference to a group that torch.distributed destroyed while its peers go on,
+  // so that the backend's threads and sockets go with it. Once stopped; no call may follow.
+  void release_group() { transport_.release_group(); }
   // Why the group's ring (or its NCCL communicator) is unusable, "" if it is not; read it once the
   // engine has stopped.
   std::string broken() const;

@@ -45,6 +45,8 @@ _stopping = {}  # group -> its engine, while shutdown() waits for its calls
 _engines_lock = threading.Lock()
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
+_sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
+_registered = weakref.WeakSet()  # groups of torch.distributed's registry, whose destruction it tells
 
 
 class AllReduceWork:
@@ -199,16 +201,35 @@ def _resolve_group(group):
     return group
 
 
+def _check_waitable(group, async_op, caller):
+    """A call waited for on its own group's thread (in a callback of that group's future) would wait
+    there for itself, forever."""
+    engine = _engines.get(group)
+    if not async_op and engine is not None and engine.on_own_worker_thread:
+        raise RuntimeError(f"gradsync.{caller} on this group from a callback of one of its futures, which runs on "
+                           "the group's communication thread, would wait there for itself: pass async_op=True")
+
+
 def _engine(group, tensor):
+    stale = []
     with _engines_lock:  # one engine per group, even when two threads make its first call at once
         engine = _engines.get(group)
+        if engine is None:
+            stale = [(g, _engines.pop(g)) for g in [g for g in _engines if g in _registered and not _group_is_live(g)]]
+            for g, _ in stale:
+                _broken[g] = "gradsync: torch.distributed destroyed this process group"
+                _sequences.pop(g, None)
         if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
             raise RuntimeError(_broken[group])
         if engine is None and group in _stopping:  # ... as they would the calls the old engine is finishing
             raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile (from "
                                "another thread, or a callback) would start a second engine on the group")
         if engine is None:
-            engine = _engines[group] = _C.RingEngine(group)
+            engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
+            if dist.is_initialized() and _group_is_live(group):
+                _registered.add(group)
+    if stale:
+        threading.Thread(target=_release, args=([e for _, e in stale],), name="gradsync-release", daemon=True).start()
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
@@ -220,6 +241,15 @@ def _engine(group, tensor):
                     _attach_nccl(engine, group, tensor.device)
         _check_nccl_device(tensor, group)
     return engine
+
+
+def _release(engines):
+    """The engines of groups torch.distributed destroyed while the job goes on: their threads end once
+    their calls are done, and their references to the groups go, so that each group's backend
+    threads and sockets go with it. On a thread of its own: a peer that is gone can hold it up."""
+    for engine in engines:
+        engine.stop()
+        engine.release_group()
 
 
 def _check_nccl_device(tensor, group):
@@ -299,6 +329,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         if residual is not None:
             _check_residual(residual, tensor)
         group = _resolve_group(group)
+        _check_waitable(group, async_op, "all_reduce")
         _check_backend(tensor, "tensor", group)
         _check_nccl_device(tensor, group)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
@@ -420,6 +451,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
         _check_codec(codec)
         async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
         group = _resolve_group(group)
+        _check_waitable(group, async_op, "reduce_scatter")
         n, rank = group.size(), group.rank()
         if input.numel() != n * output.numel():
             raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements "
@@ -475,6 +507,7 @@ def shutdown():
             with _engines_lock:  # why it is unusable, before a new engine can be made for the group
                 if engine.broken:
                     _broken[group] = engine.broken
+                _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
                 del _stopping[group]
         if not _group_is_live(group):
             engine.abandon_group()
@@ -483,11 +516,17 @@ def shutdown():
 def _forget_engines_in_forked_child():
     """A child made by fork() inherits the parent's engines but not their threads: shutting one down
     would wait for its thread forever, at exit too. The child leaves them alone; its first
-    all-reduce on a group starts an engine of its own. (All-reduces issued before the fork do not
-    complete in the child.)"""
+    all-reduce on a group of one rank starts an engine of its own, and calls on the inherited groups
+    of several ranks raise. (All-reduces issued before the fork do not complete in the child.)"""
     global _engines_lock, _attach_locks
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
+    # a group of several ranks is the parent's connections, which the child must not drive
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None) or {}
+    for group in [*_engines, *_stopping, *live]:
+        if group.size() > 1:
+            _broken[group] = ("gradsync: this process group was made before fork(), and its connections are the "
+                              "parent's; make new process groups in the child")
     _engines.clear()
     _stopping.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread

@@ -292,9 +292,9 @@ def concurrent_first_calls(rank, size):
     group = dist.new_group([0])
     make, made = gradsync.distributed._C.RingEngine, []
 
-    def slow_engine(g):
+    def slow_engine(*args):
         time.sleep(0.05)
-        made.append(make(g))
+        made.append(make(*args))
         return made[-1]
     gradsync.distributed._C.RingEngine = slow_engine
     start, engines = threading.Barrier(8), []
@@ -809,6 +809,86 @@ def test_shutdown_in_a_callback_raises(worlds):
     (seen, x), (_, y) = worlds(2).run(shutdown_in_a_callback)
     assert len(seen) == 1 and "cannot run on gradsync's communication thread" in seen[0], seen
     assert x == y == [2.0] * 4
+
+
+def lifecycle(rank, size):
+    """What a group's life may bring: shutdown() on one rank only, a call waited for in a callback of
+    the same group's future, groups made and destroyed over and over, a fork()."""
+    out = {}
+    for _ in range(3):
+        gradsync.all_reduce(torch.ones(4))
+    if rank == 0:
+        gradsync.shutdown()  # its next call starts a new engine, which must pair with rank 1's
+    x = torch.ones(4)
+    gradsync.all_reduce(x, op="sum")
+    out["after a shutdown on rank 0"] = x.tolist()
+
+    seen = []
+
+    def waits_in_callback(future):
+        try:
+            gradsync.all_reduce(torch.ones(4))
+            seen.append("no error")
+        except RuntimeError as e:
+            seen.append(str(e))
+    gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(waits_in_callback).wait()
+    y = torch.ones(4)
+    gradsync.all_reduce(y, op="sum")  # the refusal took this rank's turn on every rank alike
+    out["waited in a callback"] = seen, y.tolist()
+
+    def native_threads():
+        return len(os.listdir("/proc/self/task"))
+    before = native_threads()
+    for _ in range(12):
+        group = dist.new_group(list(range(size)))
+        gradsync.all_reduce(torch.ones(100000), group=group, codec="bf16")
+        dist.destroy_process_group(group)
+    gradsync.all_reduce(torch.ones(4))  # the default group's engine exists: no sweep here
+    last = dist.new_group(list(range(size)))
+    gradsync.all_reduce(torch.ones(4), group=last)  # a new engine lets go of the destroyed groups'
+    deadline = time.monotonic() + 20
+    while native_threads() > before + 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["threads added by 12 destroyed groups"] = native_threads() - before
+    out["engines"] = len(gradsync.distributed._engines)
+    with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
+        gradsync.all_reduce(torch.ones(4), group=group)
+
+    pid = os.fork()
+    if pid == 0:  # the inherited default group is the parent's connections
+        try:
+            gradsync.all_reduce(torch.ones(4))
+            code = 1
+        except RuntimeError as e:
+            code = 0 if "made before fork()" in str(e) else 2
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            out["forked child"] = os.waitstatus_to_exitcode(status)
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        out["forked child"] = "hung"
+    z = torch.ones(4)
+    gradsync.all_reduce(z, op="sum")  # the parent's group goes on
+    out["parent after the fork"] = z.tolist()
+    return out
+
+
+def test_a_group_survives_one_rank_s_shutdown_a_waiting_callback_and_a_fork_and_destroyed_groups_go(worlds):
+    for out in worlds(2).run(lifecycle):
+        assert out["after a shutdown on rank 0"] == [2.0] * 4
+        seen, y = out["waited in a callback"]
+        assert len(seen) == 1 and "would wait there for itself: pass async_op=True" in seen[0], seen
+        assert y == [2.0] * 4
+        assert out["threads added by 12 destroyed groups"] <= 16, out  # 52 when none is let go
+        assert out["engines"] == 2, out
+        assert out["forked child"] == 0, out
+        assert out["parent after the fork"] == [2.0] * 4
 
 
 def test_world_of_one_applies_the_codec_and_nothing_else(worlds):

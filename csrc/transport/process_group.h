@@ -16,19 +16,26 @@ namespace gradsync {
 
 class ProcessGroupTransport : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {}
-  int rank() const override { return group_->getRank(); }
-  int size() const override { return group_->getSize(); }
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)), rank_(group_->getRank()), size_(group_->getSize()) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
   int64_t send(const void* data, int64_t bytes, int peer, uint32_t tag) override;
   int64_t recv(void* data, int64_t bytes, int peer, uint32_t tag) override;
   void wait(int64_t handle) override;
   void wait_all() override;
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+  // No message may be in flight, and none is sent after: the last reference to a destroyed group.
+  void release_group() {
+    pending_.clear();
+    group_.reset();
+  }
   // How many messages were ever posted: unchanged across a failed call means none is in flight.
   int64_t posted() const { return posted_; }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_, size_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
   int64_t posted_ = 0;
 };
