@@ -744,18 +744,23 @@ def world_of_one(rank, size):
     return torch.equal(x, y), torch.equal(z, x.half().float())
 
 
+def recording_callback(seen, action):
+    """A future callback that runs ``action`` and appends "no error" or its RuntimeError's message."""
+    def callback(future):
+        try:
+            action()
+            seen.append("no error")
+        except RuntimeError as e:
+            seen.append(str(e))
+    return callback
+
+
 def shutdown_in_a_callback(rank, size):
     """gradsync.shutdown() in a future's callback, on gradsync's own thread: refused, not a crash.
     Rank 1 makes its call only after rank 0 has attached the callback, so that the callback runs
     when the call completes, on the thread that completes it."""
     seen = []
-
-    def callback(future):
-        try:
-            gradsync.shutdown()
-            seen.append("no error")
-        except RuntimeError as e:
-            seen.append(str(e))
+    callback = recording_callback(seen, gradsync.shutdown)
     if rank == 0:
         done = gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
         dist.barrier()
@@ -773,13 +778,7 @@ def call_while_shutting_down(rank, size):
     raises, rather than start a second engine whose tags would meet the first one's. Rank 1 makes
     its call once rank 0's shutdown() is waiting for it."""
     seen = []
-
-    def callback(future):
-        try:
-            gradsync.all_reduce(torch.ones(4))
-            seen.append("no error")
-        except RuntimeError as e:
-            seen.append(str(e))
+    callback = recording_callback(seen, lambda: gradsync.all_reduce(torch.ones(4)))
     if rank == 0:
         gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
         stopper = threading.Thread(target=gradsync.shutdown)
@@ -824,13 +823,7 @@ def lifecycle(rank, size):
     out["after a shutdown on rank 0"] = x.tolist()
 
     seen = []
-
-    def waits_in_callback(future):
-        try:
-            gradsync.all_reduce(torch.ones(4))
-            seen.append("no error")
-        except RuntimeError as e:
-            seen.append(str(e))
+    waits_in_callback = recording_callback(seen, lambda: gradsync.all_reduce(torch.ones(4)))
     gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(waits_in_callback).wait()
     y = torch.ones(4)
     gradsync.all_reduce(y, op="sum")  # the refusal took this rank's turn on every rank alike
