@@ -315,7 +315,7 @@ def link_bound(numel, n, link, codec):
 
 # --- validation against the emulated cluster -----------------------------------------------------------
 
-EMULATED_CORES = 2
+EMULATED_CORES = 2  # the machine of the committed runs; a run's report says its own ("<arch>, N cores")
 TCP_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps): tbf counts whole frames
 LATENCY_BOUND_BYTES = 64 << 10  # all-reduces this small measure hop latencies: the shaper's bucket passes them
 
@@ -373,8 +373,15 @@ def measured_latencies(netem):
     return latencies
 
 
+def run_cores(meta):
+    """The cores of the machine a netem report ran on, as report.py records them."""
+    words = str(meta.get("machine", "")).replace(",", " ").split()
+    return next((int(words[i - 1]) for i in range(1, len(words)) if words[i] == "cores" and words[i - 1].isdigit()),
+                EMULATED_CORES)
+
+
 def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
-    """(latencies, kernels) for a run of benchmarks/netem/run.sh on this machine's 2 cores.
+    """(latencies, kernels) for a run of benchmarks/netem/run.sh on the cores its report names.
 
     The latencies are measured (`measured_latencies`) in the run itself or, held out, in the run
     `latencies_from`. The ranks share the cores, so the kernels and the TCP stack (measured on
@@ -385,8 +392,9 @@ def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
     with open(loopback_path) as f:
         kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
     kernels = replace(kernels, direct_bytes=netem["meta"].get("direct_bytes", 0))  # 0: runs before it existed
-    name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {EMULATED_CORES} cores"
-    return measured_latencies(latencies_from or netem), kernels.scaled(max(1.0, n / EMULATED_CORES), name)
+    cores = run_cores(netem["meta"])
+    name = f"{kernels.name}, TCP stack {kernels.network * 1e9:.2f} ns/B (loopback run), {n} ranks on {cores} cores"
+    return measured_latencies(latencies_from or netem), kernels.scaled(max(1.0, n / cores), name)
 
 
 def host_traffic_bytes(numel, n, impl, wire_bytes, direct_bytes):
@@ -673,11 +681,15 @@ def validation_table(rows):
     return "\n".join(lines)
 
 
+# the committed measurements, beside the package in a source checkout (a wheel carries none)
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="benchmarks/results/2026-12-01-cpu-kernels-1thread.json",
-                        help="bench_kernels.py JSON with the CPU kernel costs (for --validate)")
-    parser.add_argument("--loopback", default="benchmarks/results/2026-12-01-cpu-allreduce-4ranks-interleaved.json",
+    parser.add_argument("--kernels", default=os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json"),
+                        help="bench_kernels.py JSON with the CPU kernel costs (for --validate, and the CPU rows)")
+    parser.add_argument("--loopback", default=os.path.join(RESULTS, "2026-12-01-cpu-allreduce-4ranks-interleaved.json"),
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
@@ -688,6 +700,9 @@ def main():
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
+    for name in ("kernels", "loopback"):
+        if args.validate and not os.path.exists(getattr(args, name)):
+            parser.error(f"--{name} {getattr(args, name)} does not exist (pass the measurement JSON)")
     if args.validate:
         with open(args.validate) as f:
             netem = json.load(f)
@@ -703,6 +718,8 @@ def main():
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))
         print()
     cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
+    if cpu is None:
+        print(f"# no CPU kernel costs ({args.kernels} does not exist): the tables leave out the host codecs")
     gpu = gpu_kernels(args.gpu_kernels, args.nccl_hop) if args.gpu_kernels else GPU_ASSUMED
     print(projection_tables(gpu, bucket_mbs=args.bucket_mb, cpu=cpu))
 

@@ -241,6 +241,24 @@ def test_the_benchmark_order_is_read_from_its_meta():
     assert not model.takes_turns({"ranks": 4})         # 2026-11-30: each implementation's calls back to back
 
 
+def test_the_cores_a_run_shared_are_read_from_its_report():
+    assert model.run_cores({"machine": "x86_64, 16 cores"}) == 16
+    assert model.run_cores({"machine": "x86_64, 2 cores"}) == 2
+    assert model.run_cores({}) == model.EMULATED_CORES == 2  # reports that predate the field
+
+
+def test_the_tables_print_from_any_folder(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gradsync.model"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # the CPU rows come from the committed kernel measurements, beside the package in a source
+    # checkout; an installed wheel carries none, and the tables say so
+    if os.path.exists(os.path.join(model.RESULTS, "2026-12-01-cpu-kernels-1thread.json")):
+        assert "CPU, 1 thread, measured" in out.stdout and "no CPU kernel costs" not in out.stdout
+    else:
+        assert "no CPU kernel costs" in out.stdout and "CPU, 1 thread, measured" not in out.stdout
+
+
 def test_the_tables_print():
     text = model.projection_tables()
     assert "ASSUMED" in text and "1024" in text and "hierarchical" in text and "Hierarchical sync" in text

@@ -36,9 +36,12 @@ def test_dry_run_prints_every_command_and_touches_only_its_namespaces():
             assert (cmd[3] if cmd[1] == "netns" else cmd[2]) in ours, cmd
         elif cmd[0] == "tc":
             assert cmd[1] == "-n" and cmd[2] in ours, cmd
+        elif cmd[0] in ("mkdir", "cat"):  # the output folder, and rank 0's log printed after each rate
+            assert cmd[-1].startswith("/nowhere") and (cmd[0] == "cat") == cmd[-1].endswith(".log"), cmd
         else:
             assert cmd[0] in ("wait", sys.executable), cmd
-    assert cmds[:4] == [["ip", "netns", "del", ns] for ns in ("gsnet-h0", "gsnet-h1", "gsnet-h2", "gsnet-sw")]
+    assert cmds[:5] == [["mkdir", "-p", "/nowhere"]] + [["ip", "netns", "del", ns] for ns in
+                                                         ("gsnet-h0", "gsnet-h1", "gsnet-h2", "gsnet-sw")]
     assert ["ip", "-n", "gsnet-sw", "link", "add", "p2", "type", "veth", "peer", "name", "eth0", "netns", "gsnet-h2"] in cmds
     assert not any(c[:2] == ["ip", "route"] or "route" in c for c in cmds)  # no way out of the namespaces
 
@@ -64,8 +67,9 @@ def test_dry_run_changes_nothing():
         assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
-@pytest.mark.parametrize("args", [["--hosts", "1"], ["--rate", "1gb"], ["--rate", "0.0mbit"], ["--rate", "00mbit"],
-                                  ["--rate", "0.5kbit"], ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
+@pytest.mark.parametrize("args", [["--hosts", "1"], ["--hosts", "010"], ["--rate", "1gb"], ["--rate", "0.0mbit"],
+                                  ["--rate", "00mbit"], ["--rate", "0.5kbit"], ["--rate", ""], ["--timeout", "abc"],
+                                  ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
 def test_bad_arguments_fail_before_anything_runs(args):
     result = run_sh("--dry-run", *args)
     assert result.returncode == 2 and "run.sh:" in result.stderr

@@ -35,7 +35,8 @@ while (($#)); do
     *) echo "run.sh: unknown argument $1" >&2; usage 2 ;;
   esac
 done
-[[ $HOSTS =~ ^[0-9]+$ ]] && ((HOSTS >= 2 && HOSTS <= 200)) || { echo "run.sh: --hosts must be 2..200" >&2; exit 2; }
+[[ $HOSTS =~ ^[1-9][0-9]*$ ]] && ((HOSTS >= 2 && HOSTS <= 200)) || { echo "run.sh: --hosts must be 2..200" >&2; exit 2; }
+[[ $TIMEOUT =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: --timeout must be a whole number of seconds" >&2; exit 2; }
 [[ $PREFIX =~ ^[a-z0-9-]{1,12}$ ]] || { echo "run.sh: --prefix must be 1-12 of [a-z0-9-]" >&2; exit 2; }
 [[ -n $DRY || $EUID == 0 ]] || { echo "run.sh: needs root (network namespaces, tc); --dry-run needs none" >&2; exit 2; }
 
@@ -61,6 +62,7 @@ rate_bps() {
 }
 
 IFS=, read -ra RATE_LIST <<<"$RATES"
+((${#RATE_LIST[@]})) || { echo "run.sh: --rate needs at least one rate (e.g. 500mbit,1gbit)" >&2; exit 2; }
 for rate in "${RATE_LIST[@]}"; do rate_bps "$rate" >/dev/null; done
 
 # tbf needs a bucket of at least ~4 ms of traffic (and 256 KB), or TCP throughput collapses; the
@@ -81,7 +83,8 @@ shape() {
 teardown() {
   local ns pid status=0
   if [[ -n $DRY ]]; then
-    echo "# of these, the namespaces that exist: their processes killed (kill -9 \$(ip netns pids NS)), then"
+    echo "# every namespace that exists named ${PREFIX}sw or ${PREFIX}h<number> (an earlier run's included):"
+    echo "# its processes killed (kill -9 \$(ip netns pids NS)), then it is removed, as these are:"
     for ((i = 0; i < HOSTS; i++)); do run ip netns del "$(host $i)"; done
     run ip netns del "$SW"
     return
@@ -93,14 +96,14 @@ teardown() {
   return "$status"
 }
 
-PIDS=()
 cleanup() {
   local status=$?
   trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  echo "# teardown"
-  teardown || ((status)) || status=1
+  # a reader of the output that is gone (Ctrl-C on `run.sh | tee log`) must not end the teardown
+  trap '' PIPE
+  teardown || ((status)) || status=1  # the ranks too: they are the namespaces' processes
+  wait 2>/dev/null || true
+  echo "# torn down" >&2 || true
   exit "$status"
 }
 [[ -n $DRY ]] || { trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; }
@@ -123,8 +126,7 @@ setup() {
 
 # One process per host; rank 0 writes the JSON. Any rank failing or timing out fails the run.
 bench() {
-  local rate=$1 i failed=0 cmd log
-  PIDS=()
+  local rate=$1 i failed=0 cmd log pids=()
   for ((i = 0; i < HOSTS; i++)); do
     cmd=(ip netns exec "$(host $i)" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
       MASTER_ADDR="$(addr 0)" MASTER_PORT=$MASTER_PORT GLOO_SOCKET_IFNAME=eth0
@@ -132,26 +134,25 @@ bench() {
     ((i == 0)) && cmd+=(--json "$OUT/rate-$rate.json")
     log=$OUT/rank$i-$rate.log
     if [[ -n $DRY ]]; then
-      echo "$(printf '%q ' "${cmd[@]}")>$log 2>&1 &"
+      echo "$(printf '%q ' "${cmd[@]}")>$(printf '%q' "$log") 2>&1 &"
       continue
     fi
     "${cmd[@]}" >"$log" 2>&1 &
-    PIDS+=($!)
+    pids+=($!)
   done
   [[ -z $DRY ]] || echo wait
   # the first rank to fail ends the run at once (the exit trap kills the others), rather than
   # after the others time out waiting for it
-  for ((i = 0; i < ${#PIDS[@]}; i++)); do wait -n "${PIDS[@]}" 2>/dev/null || { failed=1; break; }; done
-  ((failed)) || PIDS=()
+  for ((i = 0; i < ${#pids[@]}; i++)); do wait -n "${pids[@]}" 2>/dev/null || { failed=1; break; }; done
   if ((failed)); then
     echo "run.sh: a rank failed or timed out at $rate; logs in $OUT" >&2
     tail -n 20 "$OUT"/rank*-"$rate".log >&2
     exit 1
   fi
-  [[ -n $DRY ]] || cat "$OUT/rank0-$rate.log"
+  run cat "$OUT/rank0-$rate.log"
 }
 
-[[ -n $DRY ]] || mkdir -p "$OUT"
+run mkdir -p "$OUT"
 echo "# cleanup of leftovers"
 teardown
 echo "# setup: $HOSTS hosts on a bridge"
