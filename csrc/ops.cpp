@@ -63,11 +63,22 @@ bool describe(const at::Tensor& t, Segment& s) {
   return true;
 }
 
+// Whether every element lies inside the tensor's storage, which may have been shrunk or freed since
+// the tensor was made a view of it.
+bool within_storage(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(t.element_size()) <= static_cast<int64_t>(t.storage().nbytes());
+}
+
 void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the kernels can read
   TORCH_CHECK((t.is_cpu() || t.is_cuda()) && t.layout() == at::kStrided,
               "gradsync: the kernels take dense CPU or CUDA tensors, got a ", t.layout(), " tensor on ", t.device());
   TORCH_CHECK(t.numel() == 0 || (t.has_storage() && t.data_ptr() != nullptr),
               "gradsync: the kernels take tensors with memory of their own");
+  TORCH_CHECK_VALUE(within_storage(t), "gradsync: a tensor reaches past the end of its storage (resized or freed "
+                    "since the view was made)");
 }
 
 void check_scale(double scale) {  // ops.py checks it too, except for a scale traced by torch.compile

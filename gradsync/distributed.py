@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _eager_under_compile
+from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _eager_under_compile, _within_storage
 
 OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20
@@ -171,6 +171,8 @@ def _check_residual(residual, tensor, *others):
         raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
     if residual.dtype != torch.float32 or not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous float32 tensor, got {residual.dtype}")
+    if not _within_storage(residual):
+        raise ValueError("residual reaches past the end of its storage (resized or freed since the view was made)")
     if residual.numel() != tensor.numel() or residual.device != tensor.device:
         raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
                          f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")
@@ -402,6 +404,8 @@ def _check_tensor(t, name, caller):
         raise ValueError(f"{name} must be contiguous")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; gradsync.{caller} takes CPU or CUDA tensors")
+    if not _within_storage(t):
+        raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the view was made)")
 
 
 def _check_not_capturing(t, caller):

@@ -8,6 +8,7 @@ the checks that need memory addresses (shared memory, alignment) are left to the
 import functools
 import math
 import numbers
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -65,9 +66,20 @@ def _check_tensor(value, name):
     if value.numel() and not _compiling() and not _data_ptr(value):
         raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
                          "pass plain tensors")
+    if not _compiling() and not _within_storage(value):
+        raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the view was made)")
     if not _compiling() and value.is_neg():  # torch.compile resolves negative views itself
         raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign the kernels would not apply; "
                          f"pass {name}.resolve_neg()")
+
+
+def _within_storage(t):
+    """Whether every element of ``t`` lies inside its storage, which may have been shrunk (or freed,
+    as FSDP frees unsharded parameters) after ``t`` was made a view of it."""
+    if not t.numel():
+        return True
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def _data_ptr(t):
@@ -101,16 +113,32 @@ def _check_scale(scale, name="scale"):
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
     if _compiling():  # a traced scale may be symbolic
         return scale
-    try:  # the kernels apply it in float32: it must be finite there too (NaN compares false)
-        finite = abs(float(scale)) <= _FLOAT32_MAX
-    except OverflowError:  # an int beyond any float
+    try:  # the kernels apply it in float32: it must be finite there too
+        value = _float32_int(scale) if isinstance(scale, numbers.Integral) else float(scale)
+        struct.pack("<f", value)  # raises where rounding to float32 overflows
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float, or rounding past float32's largest value
         finite = False
     if not finite:
         raise ValueError(f"{name} must be finite in float32 (at most {_FLOAT32_MAX:.7g} in magnitude), got {scale}")
-    return float(scale)
+    return value
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _float32_int(n):
+    """An integer rounded once to float32's 24 bits (to nearest, ties to even), as torch converts an
+    integer scale; float() first would round a large one twice."""
+    n = int(n)
+    magnitude, shift = abs(n), abs(n).bit_length() - 24
+    if shift > 0:
+        kept, rest = divmod(magnitude, 1 << shift)
+        half = 1 << (shift - 1)
+        if rest > half or (rest == half and kept & 1):
+            kept += 1
+        magnitude = kept << shift
+    return math.copysign(float(magnitude), n)
 
 
 def _check_codec(codec):
@@ -355,16 +383,17 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
         _check_tensor_list(tensors, "tensors")
         numel = sum(t.numel() for t in tensors)
     scale = _check_scale(scale)
+    dtype_name = "dtype"
     if dtype is None:
         if out is not None:
-            dtype = out.dtype
+            dtype, dtype_name = out.dtype, "out's dtype"
         elif not tensors:
-            raise ValueError("tensors is empty: pass dtype= or out= to say what to return")
+            raise ValueError("tensors is empty: pass out= to say what to return, and on which device")
         else:
-            dtype = tensors[0].dtype
+            dtype, dtype_name = tensors[0].dtype, "the tensors' common dtype"
             for other in {t.dtype for t in tensors}:  # the distinct dtypes: long lists have one or two
                 dtype = torch.promote_types(dtype, other)
-    _check_float_dtype(dtype, "dtype")
+    _check_float_dtype(dtype, dtype_name)
     if out is None:
         if not tensors:
             raise ValueError("tensors is empty: pass out= to say which device to use")

@@ -21,11 +21,13 @@ x = torch.randn(10)
     (lambda: gradsync.flatten([x], scale=1e39), ValueError, "scale must be finite in float32"),
     (lambda: gradsync.compress(x, "fp16", scale=10**400), ValueError, "scale must be finite in float32"),
     (lambda: gradsync.decompress(x.half(), "fp16", 10, scale=-1e39), ValueError, "scale must be finite in float32"),
-    (lambda: gradsync.flatten([]), ValueError, "tensors is empty"),
+    (lambda: gradsync.flatten([]), ValueError, "tensors is empty: pass out="),
+    (lambda: gradsync.flatten([], dtype=torch.float16), ValueError, "tensors is empty: pass out="),
     (lambda: gradsync.flatten([x], out=torch.empty(9)), ValueError, "out has shape (9,)"),
     (lambda: gradsync.flatten([x], out=torch.empty(2, 5)), ValueError, "out has shape (2, 5)"),
     (lambda: gradsync.flatten([x], dtype=torch.float16, out=torch.empty(10)), ValueError, "out has dtype torch.float32"),
-    (lambda: gradsync.flatten([x], out=torch.empty(10, dtype=torch.int32)), TypeError, "dtype must be"),
+    (lambda: gradsync.flatten([x], out=torch.empty(10, dtype=torch.int32)), TypeError, "out's dtype must be"),
+    (lambda: gradsync.flatten([x], out=torch.empty(10, dtype=torch.float64)), TypeError, "out's dtype must be"),
     (lambda: gradsync.flatten([x], out=torch.empty(10, device="meta")), ValueError, "out is on meta"),
     (lambda: gradsync.flatten([x], out=torch.empty(20)[::2]), ValueError, "out must be contiguous"),
     (lambda: gradsync.flatten([x], out=[0.0] * 10), TypeError, "out must be a torch.Tensor"),
@@ -76,6 +78,45 @@ def test_bad_input_names_the_argument(call, error, words):
     with pytest.raises(error) as info:
         call()
     assert words in str(info.value)
+
+
+def _shrunk_views():
+    """Views into storages shrunk after the view was made (FSDP frees unsharded parameters so): a
+    kernel would read or write past the allocation."""
+    def view(numel=64, offset=8):
+        base = torch.randn(numel)
+        v = base[offset:]
+        base.untyped_storage().resize_(16)
+        return v
+    return [
+        (lambda: gradsync.flatten([view()]), "a tensor reaches past the end of its storage"),
+        (lambda: gradsync.flatten([x], out=view(18, 8)), "out reaches past the end of its storage"),
+        (lambda: gradsync.unflatten(torch.zeros(56), [view()]), "a tensor reaches past the end of its storage"),
+        (lambda: gradsync.compress(view(), "fp8_e4m3"), "x reaches past the end of its storage"),
+        (lambda: gradsync.compress(view(), "fp16"), "reaches past the end of its storage"),
+        (lambda: gradsync.flatten([torch.randn(64)[8:]]), None),  # a control: the same view, its storage whole
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_shrunk_views())))
+def test_views_past_the_end_of_a_shrunk_storage_are_refused(case):
+    call, words = _shrunk_views()[case]
+    if words is None:
+        call()
+        return
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_scales_round_once_to_float32_as_torch_rounds_them():
+    v = torch.tensor([1.0, -3.0, 0.5])
+    # 3.4028235e38 is beyond float32's largest value in float64 but rounds to it; an integer past
+    # 2^53 rounds once to 24 bits, not to float64 first
+    for scale in (3.4028235e38, 2**53 + 2**29 + 1, -(2**60 + 2**36 + 5), 2**24 + 3):
+        assert torch.equal(gradsync.flatten([v], scale=scale), v * scale), scale
+        assert torch.equal(gradsync.compress(v, "fp16", scale=scale), (v * scale).half()), scale
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        gradsync.flatten([v], scale=3.4028236e38)  # rounds to infinity
 
 
 def test_the_operators_guard_the_kernels_too():
