@@ -543,6 +543,18 @@ void bind_ring(pybind11::module& m) {
     return out;
   }, py::arg("device"), py::arg("hops"), py::arg("sizes"), py::arg("repeats") = 1, py::arg("timeout_s") = 60.0);
   m.def("_on_engine_thread", &RingEngine::on_worker_thread);
+  // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
+  // their groups on a thread of their own, which never enters Python, so that the interpreter may
+  // exit while a call of theirs still waits for a peer.
+  m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
+    std::thread([engines = std::move(engines)]() mutable {
+      for (auto& engine : engines) {
+        engine->stop();
+        engine->release_group();
+      }
+      engines.clear();
+    }).detach();
+  });
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)
@@ -551,7 +563,6 @@ void bind_ring(pybind11::module& m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, uint32_t>(), py::arg("group"), py::arg("first_sequence") = 0)
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def("abandon_group", &RingEngine::abandon_group)
-      .def("release_group", &RingEngine::release_group, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("sequence", &RingEngine::sequence)
       .def_property_readonly("on_own_worker_thread", &RingEngine::on_own_worker_thread)
       // In a forked child: the engine's thread did not survive the fork, and its mutex and condition

@@ -82,7 +82,8 @@ class RingEngine {
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
   // Drops this engine's reference to a group that torch.distributed destroyed while its peers go on,
-  // so that the backend's threads and sockets go with it. Once stopped; no call may follow.
+  // so that the backend's threads and sockets go with it. Once stopped; no call may follow
+  // (_release_engines in the bindings).
   void release_group() { transport_.release_group(); }
   // Why the group's ring (or its NCCL communicator) is unusable, "" if it is not; read it once the
   // engine has stopped.

@@ -230,8 +230,8 @@ def _engine(group, tensor):
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if dist.is_initialized() and _group_is_live(group):
                 _registered.add(group)
-    if stale:
-        threading.Thread(target=_release, args=([e for _, e in stale],), name="gradsync-release", daemon=True).start()
+    if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
+        _C._release_engines([e for _, e in stale])
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
@@ -243,15 +243,6 @@ def _engine(group, tensor):
                     _attach_nccl(engine, group, tensor.device)
         _check_nccl_device(tensor, group)
     return engine
-
-
-def _release(engines):
-    """The engines of groups torch.distributed destroyed while the job goes on: their threads end once
-    their calls are done, and their references to the groups go, so that each group's backend
-    threads and sockets go with it. On a thread of its own: a peer that is gone can hold it up."""
-    for engine in engines:
-        engine.stop()
-        engine.release_group()
 
 
 def _check_nccl_device(tensor, group):
