@@ -755,19 +755,25 @@ def recording_callback(seen, action):
     return callback
 
 
-def shutdown_in_a_callback(rank, size):
-    """gradsync.shutdown() in a future's callback, on gradsync's own thread: refused, not a crash.
-    Rank 1 makes its call only after rank 0 has attached the callback, so that the callback runs
-    when the call completes, on the thread that completes it."""
-    seen = []
-    callback = recording_callback(seen, gradsync.shutdown)
+def in_a_callback_on_rank_0(rank, seen, action):
+    """Rank 0 runs ``action`` in a callback of an all-reduce's future, on the group's thread. Rank 1
+    makes its call only after rank 0 has attached the callback, so that the call cannot have finished
+    before (a callback attached to a finished future runs at once, on the attaching thread)."""
     if rank == 0:
-        done = gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+        done = gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(recording_callback(seen, action))
         dist.barrier()
         done.wait()
     else:
         dist.barrier()
         gradsync.all_reduce(torch.ones(4))
+
+
+def shutdown_in_a_callback(rank, size):
+    """gradsync.shutdown() in a future's callback, on gradsync's own thread: refused, not a crash.
+    Rank 1 makes its call only after rank 0 has attached the callback, so that the callback runs
+    when the call completes, on the thread that completes it."""
+    seen = []
+    in_a_callback_on_rank_0(rank, seen, gradsync.shutdown)
     x = torch.ones(4)
     gradsync.all_reduce(x, op="sum")  # the engine goes on
     return seen, x.tolist()
@@ -822,17 +828,9 @@ def lifecycle(rank, size):
     gradsync.all_reduce(x, op="sum")
     out["after a shutdown on rank 0"] = x.tolist()
 
-    # rank 0 waits in a callback, which runs on the group's thread: its call is not issued before the
-    # callback is attached (a callback attached to a finished future runs at once, on the caller's thread)
-    seen = []
-    if rank == 0:
-        waits_in_callback = recording_callback(seen, lambda: gradsync.all_reduce(torch.ones(4)))
-        done = gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(waits_in_callback)
-        dist.barrier()
-        done.wait()
-    else:
-        dist.barrier()
-        gradsync.all_reduce(torch.ones(4))
+    seen = []  # rank 0 waits for a call in a callback on the group's thread
+    in_a_callback_on_rank_0(rank, seen, lambda: gradsync.all_reduce(torch.ones(4)))
+    if rank == 1:
         try:  # pairs with rank 0's refused call, which took its turn
             gradsync.all_reduce(torch.ones(4))
             seen.append("no error")
