@@ -228,7 +228,7 @@ def _engine(group, tensor):
                                "another thread, or a callback) would start a second engine on the group")
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
-            if dist.is_initialized() and _group_is_live(group):
+            if _group_is_live(group):
                 _registered.add(group)
     if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
         _C._release_engines([e for _, e in stale])
@@ -471,10 +471,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     return None
 
 
+def _registered_groups():
+    """torch.distributed's live groups (None where this torch keeps them elsewhere)."""
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+
+
 def _group_is_live(group):
     if not dist.is_initialized():
         return False
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    live = _registered_groups()
     return live is None or group in live
 
 
@@ -517,8 +522,7 @@ def _forget_engines_in_forked_child():
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None) or {}
-    for group in [*_engines, *_stopping, *live]:
+    for group in [*_engines, *_stopping, *(_registered_groups() or {})]:
         if group.size() > 1:
             _broken[group] = ("gradsync: this process group was made before fork(), and its connections are the "
                               "parent's; make new process groups in the child")

@@ -31,6 +31,7 @@ Pure Python: importing it does not import torch.
 import argparse
 import json
 import os
+import re
 import statistics
 from dataclasses import dataclass, replace
 
@@ -375,9 +376,8 @@ def measured_latencies(netem):
 
 def run_cores(meta):
     """The cores of the machine a netem report ran on, as report.py records them."""
-    words = str(meta.get("machine", "")).replace(",", " ").split()
-    return next((int(words[i - 1]) for i in range(1, len(words)) if words[i] == "cores" and words[i - 1].isdigit()),
-                EMULATED_CORES)
+    found = re.search(r"(\d+) cores", str(meta.get("machine", "")))
+    return int(found.group(1)) if found else EMULATED_CORES
 
 
 def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
@@ -700,10 +700,10 @@ def main():
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
-    for name in ("kernels", "loopback"):
-        if args.validate and not os.path.exists(getattr(args, name)):
-            parser.error(f"--{name} {getattr(args, name)} does not exist (pass the measurement JSON)")
     if args.validate:
+        for path, option in ((args.kernels, "--kernels"), (args.loopback, "--loopback")):
+            if not os.path.exists(path):
+                parser.error(f"{option} {path} does not exist (pass the measurement JSON)")
         with open(args.validate) as f:
             netem = json.load(f)
         held_out = None
