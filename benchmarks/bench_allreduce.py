@@ -38,7 +38,10 @@ ACCURACY_COLUMNS = [("ranks", "ranks", 6, common.fixed(0)), ("impl", "impl", 44,
 
 
 def parse_bytes(text):
+    """"64M", "4K", "1G" or a number of bytes (argparse turns the ValueError into a usage error)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if not text:
+        raise ValueError("empty size")
     return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
@@ -144,7 +147,7 @@ def p2p_latency(device, iters=200):
     waking at once; this is the hop alone.)"""
     x, rank, samples = torch.zeros(1, device=device), dist.get_rank(), []
     dist.barrier()
-    for _ in range(iters if dist.get_world_size() > 1 else 0):
+    for _ in range(iters):
         t0 = time.perf_counter()
         if rank == 0:
             dist.send(x, 1)
@@ -155,7 +158,7 @@ def p2p_latency(device, iters=200):
         common.sync(device)
         samples.append(time.perf_counter() - t0)
     dist.barrier()
-    return statistics.median(samples) / 2 if samples else 0.0
+    return statistics.median(samples) / 2
 
 
 def nice_gloo_loops(niceness):
@@ -186,7 +189,8 @@ def relative_error(x, reference, group=None):
     return float((err[0] / err[1]).sqrt()) if err[1] > 0 else 0.0
 
 
-def bench(args, device):
+def bench(args, device, size_done):
+    """The timed rows; `size_done(rows)` runs after each size with the rows so far."""
     n = dist.get_world_size()
     rows = []
     size = args.min_bytes
@@ -219,6 +223,7 @@ def bench(args, device):
                          "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": gradsync.payload_nbytes(wire_codec, numel),
                          "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": errors[name],
                          "p50_ms": p50, "p90_ms": p90, "slow_calls": slow})
+        size_done(rows)
         if dist.get_rank() == 0:
             print(f"# done: {common.format_bytes(size)}", file=sys.stderr, flush=True)
         size *= args.step
@@ -319,13 +324,19 @@ def main():
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     parser.add_argument("--plot", help="write a PNG of busbw vs size here (rank 0)")
     args = parser.parse_args()
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.max_iters < 1:
+        parser.error(f"--max-iters must be at least 1, got {args.max_iters}")
     if args.step < 2:
         parser.error(f"--step must be at least 2, got {args.step}")
     if args.min_bytes < 4 or args.min_bytes % 4 or args.max_bytes < args.min_bytes:
         parser.error(f"--min-bytes must be a positive multiple of 4 bytes (fp32 elements) and at most --max-bytes, "
                      f"got {args.min_bytes} and {args.max_bytes}")
-    if args.impls and not args.accuracy:
-        names = list(implementations(2, None, args.feedback, 1, torch.device("cpu")))  # every name there is
+    if args.impls and args.accuracy:
+        parser.error("--impls selects timed rows; --accuracy measures every implementation")
+    if args.impls:
+        names = list(implementations(2, None, args.feedback, 1, torch.device(args.device)))  # every name there is
         if not any(s in name for name in names for s in args.impls):
             parser.error(f"--impls {' '.join(args.impls)} matches none of: {', '.join(names)}")
     if args.accuracy and args.plot:
@@ -345,26 +356,28 @@ def main():
                      "leaves its event-loop thread unnamed, that of 2.13 names it)")
     title = (f"all-reduce, {n} ranks, {dist.get_backend()} on {common.machine_description(device)}; "
              f"gradsync {gradsync.__version__}")
+    meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__}
     if args.accuracy:
         rows = accuracy(device)
         columns = ACCURACY_COLUMNS
     else:
-        latency = p2p_latency(device)
-        rows = bench(args, device)
+        latency = p2p_latency(device) if n > 1 else None
+        meta.update({"direct_bytes": gradsync.distributed.DIRECT_BYTES if device.type == "cpu" else 0,
+                     "statistic": "interquartile mean of the calls, slowest rank", "rounds": args.rounds,
+                     "spread": "p50_ms, p90_ms: median and 90th percentile of the calls; slow_calls: the fraction "
+                               "slower than twice the median; each the slowest rank's",
+                     "gloo_loop_nice": args.gloo_loop_nice, "p2p_latency_us": None if latency is None else latency * 1e6})
+
+        def size_done(rows):  # a run stopped at its time limit keeps the sizes it measured
+            if rank == 0 and args.json:
+                common.write_json(args.json, title, rows, meta)
+        rows = bench(args, device, size_done)
         columns = COLUMNS
     if rank == 0:
         common.print_table(title, rows, columns)
-        if not args.accuracy:
+        if not args.accuracy and latency is not None:
             print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")
         if args.json:
-            meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__,
-                    "direct_bytes": gradsync.distributed.DIRECT_BYTES if device.type == "cpu" else 0,
-                    "statistic": "interquartile mean of the calls, slowest rank", "rounds": args.rounds,
-                    "spread": "p50_ms, p90_ms: median and 90th percentile of the calls; slow_calls: the fraction "
-                              "slower than twice the median; each the slowest rank's",
-                    "gloo_loop_nice": args.gloo_loop_nice}
-            if not args.accuracy:
-                meta["p2p_latency_us"] = latency * 1e6
             common.write_json(args.json, title, rows, meta)
         if args.plot and not args.accuracy:
             common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl",

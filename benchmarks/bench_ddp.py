@@ -115,6 +115,10 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     args = parser.parse_args()
+    if args.layers < 1 or args.batch < 1:
+        parser.error(f"--layers and --batch must be at least 1, got {args.layers} and {args.batch}")
+    if not args.params >= args.layers:  # a layer of width w has about w * w parameters
+        parser.error(f"--params must be at least --layers ({args.layers}), got {args.params}")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the modes alternate over two passes), got {args.steps}")
 

@@ -6,7 +6,8 @@ Cases: the parameter sets of GPT-2 124M (148 tensors) and ResNet-50 (161 tensors
 buffers of 4 MiB and up. GB/s counts the bytes the fused op must read and write: for the flatten
 and unflatten rows fp32 in, 16-bit out (6 bytes per element) whatever the op, so their GB/s ratios
 are time ratios; for the codec rows fp32 in and the payload out. %copy compares with a
-device-to-device copy of the same fp32 buffer measured in the same run.
+device-to-device copy of a fp32 buffer of the case's size, measured in the same run (a small case
+fits in cache, so it is compared with a copy that fits there too).
 """
 import argparse
 import math
@@ -61,8 +62,9 @@ def cupy_flatten(tensors):
     return run
 
 
-def bench_case(name, tensors, device, copy_rate):
+def bench_case(name, tensors, device):
     n = sum(t.numel() for t in tensors)
+    copy_rate = copy_gbps(n, device)
     rows = []
     fused_bytes = 6 * n
 
@@ -137,10 +139,18 @@ def main():
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--plot", help="write a PNG of GB/s vs size here")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device: {error}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda[:index], got {args.device}")
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no GPU")
+        if device.index is None:  # set_device refuses a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # torch's and cupy's kernels on that GPU, not the first one
-        device = torch.device("cuda", torch.cuda.current_device())
     if args.max_mb is not None and args.max_mb < 4:
         parser.error(f"--max-mb must be at least 4 (the smallest single buffer), got {args.max_mb}")
     max_mb = args.max_mb or (1024 if device.type == "cuda" else 256)
@@ -156,13 +166,13 @@ def main():
         if not cases:
             parser.error(f"no case matches --cases {' '.join(args.cases)}")
     largest = max(sum(math.prod(s) for s in shape_list) for _, shape_list in cases)
-    copy_rate = copy_gbps(largest, device)
+    copy_rate = copy_gbps(largest, device)  # what gradsync.model reads: a copy too large for any cache
     title = (f"gradsync kernels on {common.machine_description(device)}; CPU kernels: {gradsync._C.cpu_isa()}; "
-             f"copy {copy_rate:.1f} GB/s")
+             f"copy of the largest case {copy_rate:.1f} GB/s")
     rows = []
     for name, shape_list in cases:
         tensors = make_tensors(shape_list, device)
-        rows += bench_case(name, tensors, device, copy_rate)
+        rows += bench_case(name, tensors, device)
         del tensors
         print(f"# done: {name}", file=sys.stderr, flush=True)
         if args.json:  # after every case: a run stopped at its time limit keeps what it measured

@@ -40,17 +40,20 @@ fits() {
   fi
 }
 
-{ date -u; nvidia-smi; nvidia-smi --query-gpu=compute_mode,mig.mode.current --format=csv  # ranks share the GPU
+# every probe has a time limit: a sick GPU must not hold the run before it has written anything
+{ date -u; timeout 30 nvidia-smi; timeout 30 nvidia-smi --query-gpu=compute_mode,mig.mode.current --format=csv
   which nvcc; nvcc --version; echo "CUDA_HOME=${CUDA_HOME:-}"; $python --version
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST (inherited: '${inherited_arch}') MAX_JOBS=$MAX_JOBS"
-  $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-  $python -c "import glob, nvidia.nccl as m; d = list(m.__path__)[0]  # a namespace package: no __file__
+  timeout 60 $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  timeout 60 $python -c "import glob, nvidia.nccl as m; d = list(m.__path__)[0]  # a namespace package: no __file__
 print('nvidia-nccl:', glob.glob(d + '/include/nccl.h'), glob.glob(d + '/lib/libnccl.so*'))"
-  $python -c "import pytest, hypothesis, numpy; print('pytest', pytest.__version__)"
+  timeout 60 $python -c "import pytest, hypothesis, numpy; print('pytest', pytest.__version__)"
+  timeout 60 $python -c "import matplotlib; print('matplotlib', matplotlib.__version__)"  # the PNG plots
 } > "$out/setup.log" 2>&1
 cat "$out/setup.log"
-if ! $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"; then
-  exit 1  # every CUDA test would skip, and pass
+if ! timeout 60 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "== stopped: torch sees no GPU (every CUDA test would skip, and pass)" | tee -a "$out/setup.log"
+  exit 1
 fi
 
 echo "== build (arch $TORCH_CUDA_ARCH_LIST)" | tee -a "$out/setup.log"
@@ -64,7 +67,7 @@ if [ "$build" -ne 0 ]; then
   exit 1
 fi
 echo "== built in $((SECONDS - started))s" | tee -a "$out/setup.log"
-$python -m gradsync.report 2>&1 | tee -a "$out/setup.log"
+timeout 60 $python -m gradsync.report 2>&1 | tee -a "$out/setup.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out

@@ -9,6 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+
+import pytest
+import torch
 
 import gradsync
 
@@ -97,3 +101,65 @@ def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
             assert abs(r["speedup"] - rows[(size, "torch fp32")]["time_ms"] / r["time_ms"]) <= 1e-9 * r["speedup"], r
     assert {impl for _, impl in rows} >= set(expected)
 
+
+
+def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
+    out = tmp_path / "cut.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             os.path.join(BENCH, "bench_allreduce.py"), "--min-bytes", "4K", "--max-bytes", "1G",
+                             "--impls", "fp16", "--json", str(out)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        timer = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        for line in proc.stderr:  # the JSON is written before a size is reported done
+            if line.startswith("# done: 16.0 KiB"):
+                break
+        timer.cancel()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["bytes"] for r in rows} >= {4096, 16384}, rows
+    assert {r["impl"] for r in rows if r["bytes"] == 4096} >= {"torch fp32", "gradsync fp16"}
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_kernels.py", ["--device", "foo"], "--device"),
+    ("bench_kernels.py", ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--max-mb", "2"],
+     "--device cuda: torch sees no GPU" if not torch.cuda.is_available() else "--max-mb"),
+    ("bench_ddp.py", ["--layers", "0"], "--layers and --batch must be at least 1"),
+    ("bench_ddp.py", ["--params", "nan"], "--params must be at least --layers"),
+    ("bench_allreduce.py", ["--rounds", "0"], "--rounds must be at least 1"),
+    ("bench_allreduce.py", ["--min-bytes", ""], "--min-bytes"),
+    ("bench_allreduce.py", ["--accuracy", "--impls", "fp16"], "--impls selects timed rows"),
+])
+def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_kernel_benchmark_gives_set_device_an_index(monkeypatch):
+    """torch.cuda.set_device refuses a device without an index, and "--device cuda" has none."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_kernels
+    finally:
+        sys.path.remove(BENCH)
+
+    class Selected(Exception):
+        pass
+
+    def set_device(device):
+        torch.cuda._utils._get_device_index(device)  # torch's own check: raises without an index
+        raise Selected(device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--device", "cuda"])
+    with pytest.raises(Selected) as selected:
+        bench_kernels.main()
+    assert selected.value.args[0] == torch.device("cuda", 0)
