@@ -466,6 +466,11 @@ class DataParallel(torch.nn.Module, Joinable):
         gradient_as_bucket_view = _check_flag(gradient_as_bucket_view, "gradient_as_bucket_view")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
+                if torch.nn.parameter.is_lazy(t)]
+        if lazy:
+            raise ValueError(f"gradsync.DataParallel: {lazy[0]!r} is not initialized yet (a lazy module); run a "
+                             "forward pass to give the module its shapes before wrapping it")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("gradsync.DataParallel: the module has no parameters that require gradients")
@@ -659,28 +664,32 @@ class DataParallel(torch.nn.Module, Joinable):
 
     def _broadcast(self, tensors, src=None):
         """The tensors, from ``src`` (global rank): one broadcast per dtype, and one per tensor that
-        shares memory with another."""
+        shares memory with another. As DDP, the writes leave autograd's version counters as they were:
+        a buffer saved for backward by one forward (BatchNorm's running statistics, two forwards
+        before one backward) is rewritten before the next one."""
         src = self._root if src is None else src
+        receives = dist.get_rank() != src  # the source's tensors already hold the values
         by_dtype = {}
         for t in tensors:
             if t.numel():
-                by_dtype.setdefault(t.dtype, []).append(t)
+                by_dtype.setdefault(t.dtype, []).append(t.detach())  # the same version counter
         for dtype, group in by_dtype.items():
-            data, aliased = _apart([t.detach() for t in group])
-            if data:  # one broadcast per dtype; the fused kernels take floats, torch.cat the rest (step counts)
-                fused = dtype in FLOAT_DTYPES
-                flat = flatten(data) if fused else torch.cat([t.reshape(-1) for t in data])
-                dist.broadcast(flat, src=src, group=self.process_group)
-                if fused:
-                    unflatten(flat, data)
-                else:
-                    for t, part in zip(data, flat.split([t.numel() for t in data])):
-                        t.copy_(part.view(t.shape))
-            for t in aliased:  # each takes the root's values, whatever the others wrote
-                dense = t if t.is_contiguous() else t.contiguous()
-                dist.broadcast(dense, src=src, group=self.process_group)
-                if dense is not t:
-                    t.copy_(dense)
+            data, aliased = _apart(group)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(t for t in group if not t.is_inference())):
+                if data:  # one broadcast per dtype; the fused kernels take floats, torch.cat the rest (step counts)
+                    fused = dtype in FLOAT_DTYPES
+                    flat = flatten(data) if fused else torch.cat([t.reshape(-1) for t in data])
+                    dist.broadcast(flat, src=src, group=self.process_group)
+                    if fused and receives:
+                        unflatten(flat, data)
+                    elif receives:
+                        for t, part in zip(data, flat.split([t.numel() for t in data])):
+                            t.copy_(part.view(t.shape))
+                for t in aliased:  # each takes the source's values, whatever the others wrote
+                    dense = t if t.is_contiguous() else t.contiguous()
+                    dist.broadcast(dense, src=src, group=self.process_group)
+                    if dense is not t and receives:
+                        t.copy_(dense)
 
     @property
     def buckets(self):

@@ -949,6 +949,59 @@ def test_data_parallel_skips_the_buffer_broadcast_after_a_no_sync_forward_as_ddp
     assert all(r["dp"] == r["ddp"] for r in results)
 
 
+def two_forwards_then_one_backward(rank, size):
+    """A siamese step (SimCLR, a GAN's discriminator): two training forwards of one BatchNorm model,
+    then one backward; the broadcast before the second forward rewrites buffers the first one saved
+    for backward. Per wrapper: the gradients and the running statistics, or the error raised."""
+    out = {}
+    for kind in ("ddp", "dp"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 4))
+        model = DDP(net) if kind == "ddp" else gradsync.DataParallel(net, codec="none")
+        g = torch.Generator().manual_seed(rank)
+        try:
+            for _ in range(2):
+                z1, z2 = model(torch.randn(6, 8, generator=g)), model(torch.randn(6, 8, generator=g))
+                (z1 - z2).pow(2).mean().backward()
+        except RuntimeError as error:
+            out[kind] = str(error)
+        else:
+            out[kind] = [p.grad.clone() for p in net.parameters()] + [b.clone() for b in net.buffers()]
+    return out
+
+
+def test_data_parallel_takes_two_forwards_before_one_backward_as_ddp_does(worlds):
+    for out in worlds(2).run(two_forwards_then_one_backward):
+        assert not isinstance(out["dp"], str), out["dp"]
+        assert len(out["dp"]) == len(out["ddp"]) == 9  # six gradients, three buffers
+        for dp, ddp in zip(out["dp"], out["ddp"]):
+            torch.testing.assert_close(dp, ddp, rtol=1e-6, atol=1e-7)
+
+
+def rank_0_evaluates_alone(rank, size):
+    """Rank 0 alone runs forwards in eval mode and without gradients after a synchronized step (DDP
+    would broadcast buffers there, and wait for the others); then both ranks train a step."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model = gradsync.DataParallel(net, codec="none")
+    model(torch.randn(8, 4)).sum().backward()
+    if rank == 0:
+        model.eval()
+        model(torch.randn(8, 4))
+        model.train()
+        with torch.no_grad():
+            model(torch.randn(8, 4))
+    model.train()
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
+    return [p.grad for p in net.parameters()]
+
+
+def test_data_parallel_lets_one_rank_evaluate_alone(worlds):
+    results = worlds(2).run(rank_0_evaluates_alone)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 class TwoLayers(torch.nn.Module):
     """Two linear layers; ``fail`` makes the first layer's output raise once in backward."""
 
@@ -1485,6 +1538,8 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), find_unused_parameters="no"), TypeError,
      "find_unused_parameters must"),
     (lambda: gradsync.DataParallel(torch.nn.ReLU()), ValueError, "no parameters that require gradients"),
+    (lambda: gradsync.DataParallel(torch.nn.LazyLinear(2)), ValueError,
+     "'weight' is not initialized yet (a lazy module); run a forward pass"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2).double()), TypeError, "parameter 'weight' is torch.float64"),
