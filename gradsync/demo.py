@@ -175,7 +175,7 @@ def worker(rank, world, init_file, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend_for(args.device), init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -199,9 +199,12 @@ def parse(argv):
     for flag, value in (("--steps", args.steps), ("--nproc", args.nproc), ("--batch", args.batch)):
         if value < 1:
             p.error(f"{flag} must be at least 1, got {value}")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device is None:  # the GPUs of this node, one per local rank
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))
-        args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
+        args.device = "cuda" if gpus >= ranks else "cpu"
+    elif args.device == "cuda" and gpus < ranks:  # NCCL refuses two ranks on one GPU
+        p.error(f"--device cuda runs one rank per GPU over NCCL: {ranks} ranks on this node, {gpus} GPU(s) seen")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:

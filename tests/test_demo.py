@@ -10,9 +10,21 @@ def test_demo_runs_every_mode_and_saves_the_plot(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gradsync.demo", "--steps", "4", "--batch", "4", "--plot", str(plot)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+    rows = {}
     for mode in ["fp32 DDP", "torch fp16 hook", "gradsync fp16 hook", "gradsync bf16 hook", "gradsync fp8+EF hook",
                  "gradsync.DataParallel fp16"]:
-        assert f"\n{mode} " in done.stdout, done.stdout
+        line = next((l for l in done.stdout.splitlines() if l.startswith(mode + " ")), None)
+        assert line, done.stdout
+        step_ms, megabytes, loss, diff = line[len(mode):].split()
+        rows[mode] = float(megabytes.removesuffix("MB")), float(loss), float(diff)
+    fp32_bytes, fp32_loss, _ = rows["fp32 DDP"]
+    assert rows["fp32 DDP"][2] == 0.0  # the reference itself
+    for mode, (megabytes, loss, diff) in rows.items():
+        # Adam moves a parameter by about lr (3e-3) per step: 4 steps apart from fp32 DDP's at most
+        # twice that, whatever the wire; a lost gradient or a NaN would show here
+        assert abs(loss - fp32_loss) < 0.01 and (mode == "fp32 DDP" or 0 < diff < 0.03), (mode, done.stdout)
+    assert abs(rows["gradsync fp16 hook"][0] - fp32_bytes / 2) <= 0.01
+    assert rows["gradsync fp8+EF hook"][0] < fp32_bytes / 3
     try:
         import matplotlib  # noqa: F401
     except ImportError:

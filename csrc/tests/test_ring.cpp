@@ -476,6 +476,7 @@ void check_error_feedback(int ranks, int64_t numel, Codec codec, bool in_order, 
   for (auto& d : data) {
     for (int64_t i = 0; i < numel; ++i) exact[i] += (d[i] = value(rng)) * prescale;
   }
+  const std::vector<std::vector<float>> inputs = data;
   const int64_t chunk = numel / ranks;
   Hub hub;
   const RingPlan plan = scatter ? RingPlan::scatter(numel, ranks, 128) : RingPlan(numel, ranks, 128);
@@ -488,6 +489,18 @@ void check_error_feedback(int ranks, int64_t numel, Codec codec, bool in_order, 
   });
   for (int r = 0; r < ranks; ++r) {
     CHECK(errors[r].empty(), "error feedback ranks %d codec %d: rank %d: %s", ranks, int(codec), r, errors[r].c_str());
+  }
+  // Inputs that are not integers make the order of the fp32 sums show: every rank must hold the
+  // same bits, and the direct exchange adds the contributions in rank order.
+  for (int r = 1; r < ranks && !scatter; ++r) {
+    CHECK(std::memcmp(data[r].data(), data[0].data(), numel * 4) == 0, "error feedback ranks %d codec %d%s%s: rank %d "
+          "differs", ranks, int(codec), in_order ? ", in order" : "", direct ? ", direct" : "", r);
+  }
+  for (int64_t i = 0; i < numel && direct && codec == Codec::kNone; ++i) {
+    float sum = 0.0f;
+    for (int r = 0; r < ranks; ++r) sum += inputs[r][i] * prescale;
+    CHECK(data[0][i] == sum * postscale, "direct exchange ranks %d%s: [%ld] %.9g, not the sum in rank order %.9g",
+          ranks, in_order ? ", in order" : "", long(i), data[0][i], sum * postscale);
   }
   for (int64_t i = 0; i < numel; ++i) {
     double lost = 0;
