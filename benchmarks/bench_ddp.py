@@ -5,7 +5,7 @@ gradsync.DataParallel on a model of GPT-2 small's parameter count.
 
 The model is a deep MLP (GPT-2 small's 124M parameters in 12 square layers) so that a CPU step is
 dominated by gradient traffic as in real data parallelism, not by attention kernels. Rows are
-measured interleaved, step by step, in one run. Two extra rows show the overlap: "compute only"
+measured in one run, the modes taking turns over two passes. Two extra rows show the overlap: "compute only"
 (backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
 the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
 communication ran while backward computed. The compiled rows run torch.compile(DataParallel(net))
@@ -146,10 +146,11 @@ def main():
     bucket = 25 * 2**20 // 4
     buckets = [torch.randn(min(bucket, numel - i)) for i in range(0, numel, bucket)]
 
-    def communicate():
-        works = [gradsync.all_reduce(b, codec="fp16", async_op=True) for b in buckets]
+    def communicate(check_call=False):  # as the hook calls it after a bucket's first step
+        works = [gradsync.all_reduce(b, codec="fp16", async_op=True, check_call=check_call) for b in buckets]
         for w in works:
             w.wait()
+    communicate(check_call=True)  # warm-up: workspaces, connections, and the calls' agreement once
 
     # One model at a time (memory); modes alternate over passes so that drifts hit all of them.
     samples = {mode: [] for mode in list(WIRE) + ["compute only (no_sync)", "communication only (gradsync fp16)"]}

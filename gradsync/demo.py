@@ -172,7 +172,7 @@ def backend_for(device):
 
 
 def worker(rank, world, init_file, args):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")  # loopback
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
