@@ -527,6 +527,7 @@ class DataParallel(torch.nn.Module, Joinable):
         self._reached = None  # with find_unused_parameters: the leaves this step's forwards reach, else None
         self._walk_failed = False  # a forward of this step whose output the walk could not look into
         self._warned_walk = False
+        self._warned_create_graph = False
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
         # under join(): whether each step divides by the group's size, else by the ranks still training
@@ -887,6 +888,11 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
                                "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "
                                "sparse=False))")
+        if param.grad is not None and param.grad.requires_grad and not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn("gradsync.DataParallel: backward(create_graph=True): the averages are written into .grad "
+                          "outside autograd, so a graph through them (a gradient penalty) differentiates this rank's "
+                          "own gradient, not the average (DDP warns likewise)")
         bucket, j = self._bucket_of[id(param)], self._index_of[id(param)]
         if self._step_failed():  # the backward before this one raised
             kept = param.grad.clone() if bucket.views is not None and bucket.work is not None and bucket.holds(j) \

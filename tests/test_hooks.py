@@ -979,6 +979,22 @@ def test_data_parallel_takes_two_forwards_before_one_backward_as_ddp_does(worlds
             torch.testing.assert_close(dp, ddp, rtol=1e-6, atol=1e-7)
 
 
+def warnings_of_create_graph(rank, size):
+    model = gradsync.DataParallel(torch.nn.Linear(3, 2), codec="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(4, 3)).square().sum().backward(create_graph=True)
+    for p in model.parameters():
+        p.grad = None  # the graph the gradients hold refers to them
+    return [str(w.message) for w in caught if "gradsync" in str(w.message)]
+
+
+def test_data_parallel_warns_once_that_create_graph_differentiates_the_local_gradient(worlds):
+    (caught,) = worlds(1).run(warnings_of_create_graph)
+    assert len(caught) == 1 and "create_graph=True" in caught[0] and "not the average" in caught[0]
+
+
 def rank_0_evaluates_alone(rank, size):
     """Rank 0 alone runs forwards in eval mode and without gradients after a synchronized step (DDP
     would broadcast buffers there, and wait for the others); then both ranks train a step."""
