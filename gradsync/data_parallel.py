@@ -251,17 +251,19 @@ _owners = {}  # id of a parameter -> the weak reference of the newest wrapper th
 
 
 def _claim(params, wrapper):
-    """Makes ``wrapper`` the one that averages ``params``. An older wrapper still alive whose
-    parameters it all takes over (its module wrapped again) retires: two sets of hooks would each
-    average (and, with gradient_as_bucket_view, each move) the same gradients. One that only shares
-    some (a tied parameter), or that runs inside the new wrapper's module, keeps its hooks."""
+    """Makes ``wrapper`` the one that averages ``params``. An older wrapper still alive whose module
+    is wrapped again (whatever was frozen since), or whose parameters it all takes over, retires: two
+    sets of hooks would each average (and, with gradient_as_bucket_view, each move) the same
+    gradients. One that only shares some (a tied parameter), or that runs inside the new wrapper's
+    module, keeps its hooks."""
     new = wrapper()
     ids = {id(p) for p in params}
     inside = {id(m) for m in new.module.modules()}
     for p in params:
         older = _owners.get(id(p))
         older = older() if older is not None else None
-        if older is not None and older is not new and id(older) not in inside and older._trainable_ids <= ids:
+        if older is not None and older is not new and id(older) not in inside and \
+                (older.module is new.module or older._trainable_ids <= ids):
             older._retired = True
         _owners[id(p)] = wrapper
 

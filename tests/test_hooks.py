@@ -1235,6 +1235,13 @@ def wrapped_twice(rank, size):
                 older(x)
     once, again = grads[:3], grads[3:]
     same = all(torch.equal(a, b) for a, b in zip(once, again))
+    # wrapped again after a layer was frozen (fine-tuning): the older one retires all the same
+    net = make_net()
+    older = gradsync.DataParallel(net, codec="none")
+    net.body[0].requires_grad_(False)
+    gradsync.DataParallel(net, codec="none")(x).sum().backward()
+    with pytest.raises(RuntimeError, match="the module was wrapped again"):
+        older(x)
     # a wrapper that only shares a tied parameter with a newer one, or runs inside it, keeps training
     tied = torch.nn.Linear(4, 4)
     first = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 4)), codec="none")
