@@ -5,9 +5,9 @@ gradsync.DataParallel on a model of GPT-2 small's parameter count.
 
 The model is a deep MLP (GPT-2 small's 124M parameters in 12 square layers) so that a CPU step is
 dominated by gradient traffic as in real data parallelism, not by attention kernels. Rows are
-measured in one run, the modes taking turns over two passes. Two extra rows show the overlap: "compute only"
-(backward under no_sync, no communication) and "communication only" (gradsync fp16 all-reduces of
-the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
+measured in one run, the modes taking turns over two passes. Two extra rows show the overlap:
+"compute only" (backward under no_sync, no communication) and "communication only" (gradsync fp16
+all-reduces of the same buckets with no backward). When the gradsync fp16 hook's step is shorter than their sum,
 communication ran while backward computed. The compiled rows run torch.compile(DataParallel(net))
 (backend aot_eager), with its forward split at bucket boundaries, as DDP's is, and in one graph.
 With many small layers (``--params 2e6 --layers 500``: 1,000 parameter tensors) the step measures

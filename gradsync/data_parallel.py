@@ -665,11 +665,12 @@ class DataParallel(torch.nn.Module, Joinable):
                            "rank before every training forward, so every rank must keep them as they were wrapped; "
                            "give buffers their final size before wrapping, or pass broadcast_buffers=False")
 
-    def _broadcast(self, tensors, src=None):
+    def _broadcast(self, tensors, src=None, keep_versions=False):
         """The tensors, from ``src`` (global rank): one broadcast per dtype, and one per tensor that
-        shares memory with another. As DDP, the writes leave autograd's version counters as they were:
-        a buffer saved for backward by one forward (BatchNorm's running statistics, two forwards
-        before one backward) is rewritten before the next one."""
+        shares memory with another. ``keep_versions`` (the buffers before a forward, as DDP) leaves
+        autograd's version counters as they were: a buffer saved for backward by one forward
+        (BatchNorm's running statistics, two forwards before one backward) is rewritten before the
+        next one."""
         src = self._root if src is None else src
         receives = dist.get_rank() != src  # the source's tensors already hold the values
         by_dtype = {}
@@ -678,7 +679,8 @@ class DataParallel(torch.nn.Module, Joinable):
                 by_dtype.setdefault(t.dtype, []).append(t.detach())  # the same version counter
         for dtype, group in by_dtype.items():
             data, aliased = _apart(group)
-            with torch.autograd._unsafe_preserve_version_counter(tuple(t for t in group if not t.is_inference())):
+            kept = tuple(t for t in group if not t.is_inference()) if keep_versions else ()
+            with torch.autograd._unsafe_preserve_version_counter(kept):
                 if data:  # one broadcast per dtype; the fused kernels take floats, torch.cat the rest (step counts)
                     fused = dtype in FLOAT_DTYPES
                     flat = flatten(data) if fused else torch.cat([t.reshape(-1) for t in data])
@@ -737,7 +739,8 @@ class DataParallel(torch.nn.Module, Joinable):
             self._forward_synced = self._sync
         if broadcasts:
             self._check_buffers(self._buffers_seen)
-            self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None)
+            self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None,
+                            keep_versions=True)
         self._hand_hint_to_dynamo()
 
     @_eager_under_compile
@@ -863,7 +866,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._forward_synced = announced.synchronizes
         if announced.broadcasts:
             self._check_buffers(self._buffers_seen)
-            self._broadcast(self._buffers_seen, announced.source)
+            self._broadcast(self._buffers_seen, announced.source, keep_versions=True)
         if not announced.synchronizes:
             return
         ranks = self.process_group.size() if self._divide_by_initial_world_size else len(announced.active)

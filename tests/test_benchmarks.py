@@ -102,7 +102,6 @@ def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
     assert {impl for _, impl in rows} >= set(expected)
 
 
-
 def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     out = tmp_path / "cut.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
