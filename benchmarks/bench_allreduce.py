@@ -377,7 +377,7 @@ def main():
         common.print_table(title, rows, columns)
         if not args.accuracy and latency is not None:
             print(f"# point-to-point latency, rank 0 <-> 1, 4 bytes: {latency * 1e6:.0f} us one way")
-        if args.json:
+        if args.json and args.accuracy:  # the timed rows were written after each size
             common.write_json(args.json, title, rows, meta)
         if args.plot and not args.accuracy:
             common.plot(args.plot, title, rows, x="bytes", y="busbw", group="impl",
