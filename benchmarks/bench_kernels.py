@@ -38,11 +38,20 @@ def copy_gbps(numel, device):
 
 
 def cupy_flatten(tensors):
-    """A cupy ElementwiseKernel per tensor writing into one flat fp16 buffer (None without cupy)."""
+    """A cupy ElementwiseKernel per tensor writing into one flat fp16 buffer (None without cupy, or
+    with a cupy that cannot run here: its row is left out, the others are measured)."""
     try:
         import cupy
     except ImportError:
         return None
+    try:
+        return _cupy_flatten(cupy, tensors)
+    except Exception as error:  # noqa: BLE001 - e.g. a cupy built for another CUDA runtime
+        print(f"# cupy row left out: {type(error).__name__}: {error}", flush=True)
+        return None
+
+
+def _cupy_flatten(cupy, tensors):
     cupy.cuda.Device(tensors[0].device.index).use()
     kernel = cupy.ElementwiseKernel("float32 x, float32 s", "float16 y", "y = (float16)(x * s)", "scale_cast")
     # the arrays are made once, as gradsync's row writes into a buffer it keeps: the timed calls are

@@ -72,9 +72,9 @@ def main():
         child = subprocess.run([sys.executable, __file__, "--blocking-child", "--device", str(args.device), "--hops",
                                 str(args.hops), "--repeats", str(args.repeats)],
                                env={**os.environ, "NCCL_COMM_BLOCKING": "1"}, capture_output=True, text=True,
-                               timeout=45)
+                               timeout=25)
     except subprocess.TimeoutExpired:
-        sys.exit("# the blocking run did not finish within 45 s")
+        sys.exit("# the blocking run did not finish within 25 s")
     if child.returncode != 0:
         sys.exit(f"# the blocking run failed:\n{child.stderr[-2000:]}")
     # the rows are the last line that is a JSON list: NCCL's own warnings may follow on stdout

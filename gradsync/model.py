@@ -128,14 +128,19 @@ def cpu_kernels(path):
     """
     with open(path) as f:
         run = json.load(f)
-    case = max((r for r in run["rows"] if r["tensors"] == 1), key=lambda r: r["count"])["case"]
+    single = [r for r in run["rows"] if r["tensors"] == 1]
+    if not single:
+        raise ValueError(f"{path} has no single-buffer case (bench_kernels.py without --sets-only writes them)")
+    case = max(single, key=lambda r: r["count"])["case"]
     per_elem = {r["op"]: r["time_ms"] * 1e-3 / r["count"] for r in run["rows"] if r["case"] == case}
     copy = run["meta"]["copy_gbps"] * 1e9
     enc = {"none": 8 / copy}
     dec = {"none": 0.0}
     for codec, measured in (("fp16", "fp16"), ("bf16", "fp16"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e4m3")):
-        enc[codec] = per_elem[f"gradsync compress({measured})"]
-        dec[codec] = per_elem[f"gradsync decompress({measured})"]
+        for op, costs in ((f"gradsync compress({measured})", enc), (f"gradsync decompress({measured})", dec)):
+            if op not in per_elem:
+                raise ValueError(f"{path}: case {case} has no row '{op}'")
+            costs[codec] = per_elem[op]
     red = {c: enc[c] + dec[c] for c in CODECS}
     red["none"] = 12 / copy
     return Kernels(f"CPU kernels measured ({path.rsplit('/', 1)[-1]}, {case})", enc, red, dec, 12 / copy,
@@ -155,6 +160,8 @@ def gpu_kernels(kernels_path, hop_path=None):
     if hop_path:
         with open(hop_path) as f:
             issue = [r["issue_us"] for r in json.load(f)["rows"] if r["communicator"] == "non-blocking"]
+        if not issue:
+            raise ValueError(f"{hop_path} has no row of the non-blocking communicator")
         hop, how = statistics.median(issue) * 1e-6, "measured"
     name = f"GPU kernels measured ({os.path.basename(kernels_path)}), {hop * 1e6:.0f} us of host per hop ({how})"
     return replace(measured, name=name, hop=hop, slice_bytes=NCCL_SLICE_BYTES, direct_bytes=0)
@@ -717,10 +724,13 @@ def main():
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in latencies.items() if v) + f"; {kernels.name}")
         print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))
         print()
-    cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
+    try:
+        cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
+        gpu = gpu_kernels(args.gpu_kernels, args.nccl_hop) if args.gpu_kernels else GPU_ASSUMED
+    except (OSError, ValueError, KeyError) as error:  # json's errors are ValueErrors
+        parser.error(f"{type(error).__name__}: {error}")
     if cpu is None:
         print(f"# no CPU kernel costs ({args.kernels} does not exist): the tables leave out the host codecs")
-    gpu = gpu_kernels(args.gpu_kernels, args.nccl_hop) if args.gpu_kernels else GPU_ASSUMED
     print(projection_tables(gpu, bucket_mbs=args.bucket_mb, cpu=cpu))
 
 

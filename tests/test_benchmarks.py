@@ -162,3 +162,22 @@ def test_the_kernel_benchmark_gives_set_device_an_index(monkeypatch):
     with pytest.raises(Selected) as selected:
         bench_kernels.main()
     assert selected.value.args[0] == torch.device("cuda", 0)
+
+
+def test_a_cupy_that_cannot_run_leaves_out_its_row_only(monkeypatch, capsys):
+    """A cupy built for another CUDA runtime imports, then fails at its first call."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_kernels
+    finally:
+        sys.path.remove(BENCH)
+
+    class Device:
+        def __init__(self, index):
+            raise RuntimeError("cudaErrorInsufficientDriver")
+    broken = type(sys)("cupy")
+    broken.cuda = type(sys)("cupy.cuda")
+    broken.cuda.Device = Device
+    monkeypatch.setitem(sys.modules, "cupy", broken)
+    assert bench_kernels.cupy_flatten([torch.randn(3)]) is None
+    assert "cupy row left out: RuntimeError: cudaErrorInsufficientDriver" in capsys.readouterr().out

@@ -384,6 +384,27 @@ def test_projections_take_measured_gpu_costs(tmp_path):
     assert model.gpu_kernels(KERNELS_JSON).hop == model.GPU_HOP_HOST
 
 
+def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
+    with open(KERNELS_JSON) as f:
+        run = json.load(f)
+    sets_only = tmp_path / "sets_only.json"  # bench_kernels.py --sets-only: no single buffer
+    sets_only.write_text(json.dumps(dict(run, rows=[r for r in run["rows"] if r["tensors"] > 1])))
+    with pytest.raises(ValueError, match="no single-buffer case"):
+        model.gpu_kernels(str(sets_only))
+    no_fp8 = tmp_path / "no_fp8.json"
+    no_fp8.write_text(json.dumps(dict(run, rows=[r for r in run["rows"] if "fp8" not in r["op"]])))
+    with pytest.raises(ValueError, match=r"no row 'gradsync compress\(fp8_e4m3\)'"):
+        model.cpu_kernels(str(no_fp8))
+    blocking_only = tmp_path / "hop.json"
+    blocking_only.write_text(json.dumps({"meta": {}, "rows": [{"communicator": "blocking", "issue_us": 5.0}]}))
+    with pytest.raises(ValueError, match="no row of the non-blocking communicator"):
+        model.gpu_kernels(KERNELS_JSON, str(blocking_only))
+    # the command line says which file and why, as a usage error, rather than a traceback
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--gpu-kernels", str(sets_only)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
+
+
 # Two and three hosts (2026-12-01, 1 Gbit/s, 62 configurations each): the ring's size in the model
 # checked against runs. Outside 25 %: with two hosts seven rows of 1 and 4 KB, a few tenths of a
 # millisecond each, and three of 1 MB: fp8_e4m3 and fp8_e5m2 (2.9 and 3.2 ms, 1.9 predicted: the
