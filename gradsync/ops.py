@@ -498,7 +498,8 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
 def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dtype = torch.float32,
                scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decodes a payload of ``numel`` elements made by :func:`compress` into a 1-D ``dtype`` tensor,
-    multiplied by ``scale`` in fp32 (into ``out`` when given)."""
+    multiplied by ``scale`` in fp32 (into ``out`` when given). An fp8 payload's length fixes
+    ``numel`` only up to its 16-byte padding: pass the numel it was made with."""
     _check_tensor(payload, "payload")
     _check_codec(codec)
     numel = _check_numel(numel)
