@@ -401,7 +401,7 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
         model.gpu_kernels(KERNELS_JSON, str(blocking_only))
     # the command line says which file and why, as a usage error, rather than a traceback
     out = subprocess.run([sys.executable, "-m", "gradsync.model", "--gpu-kernels", str(sets_only)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)  # the installed package
     assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
 
 
