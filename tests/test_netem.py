@@ -16,8 +16,8 @@ NETEM = os.path.join(ROOT, "benchmarks", "netem")
 RUN_SH = os.path.join(NETEM, "run.sh")
 
 
-def run_sh(*args, timeout=30, **kwargs):
-    env = dict(os.environ, PYTHON=sys.executable)
+def run_sh(*args, timeout=30, extra_env=None, **kwargs):
+    env = dict(os.environ, PYTHON=sys.executable, **(extra_env or {}))
     return subprocess.run(["bash", RUN_SH, *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
 
 
@@ -65,6 +65,17 @@ def test_dry_run_changes_nothing():
     assert not os.path.exists("/nonexistent/folder")
     if shutil.which("ip"):
         assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_dry_run_without_out_names_a_new_folder_and_makes_none(tmp_path):
+    result = run_sh("--dry-run", "--hosts", "2", extra_env={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    cmds = commands(result.stdout)
+    folder = f"{tmp_path}/gsnet-out.XXXXXX"
+    assert cmds[0] == ["mktemp", "-d", folder] and f"# output: {folder}" in result.stdout
+    logs = [line.split(">")[1].split()[0] for line in result.stdout.splitlines() if "netns exec" in line]
+    assert logs and all(log.startswith(folder + "/rank") for log in logs)
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("args", [["--hosts", "1"], ["--hosts", "010"], ["--rate", "1gb"], ["--rate", "0.0mbit"],
@@ -133,6 +144,8 @@ def prefix():
         pytest.fail("GRADSYNC_NETEM_TESTS=1 asks for the real emulated-cluster runs, which need root, iproute2 "
                     "(ip netns, tc) and coreutils timeout")
     yield name
+    if os.path.exists(f"/run/gradsync-netem-{name}.lock"):  # run.sh's lock, kept so that it never races
+        os.remove(f"/run/gradsync-netem-{name}.lock")
     assert not [ns for ns in namespaces() if ns.startswith(name)], "namespaces left behind"
 
 
@@ -179,6 +192,29 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
             proc.kill()
             proc.wait()
     assert not [ns for ns in namespaces() if ns.startswith(prefix)]
+
+
+def test_one_run_per_prefix_and_a_private_folder_by_default(prefix, tmp_path):
+    import fcntl
+    # another run of this prefix: its lock held and a namespace of its up
+    subprocess.run(["ip", "netns", "add", prefix + "sw"], check=True)
+    try:
+        with open(f"/run/gradsync-netem-{prefix}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            second = run_sh("--prefix", prefix, "--out", str(tmp_path / "second"), "--hosts", "2", timeout=60)
+        assert second.returncode == 2 and f"another run with prefix {prefix} is in progress" in second.stderr
+        assert prefix + "sw" in namespaces() and not (tmp_path / "second").exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", prefix + "sw"], check=True)
+
+    # without --out, a new folder of mode 0700 under TMPDIR holds the logs (the ranks fail at once)
+    (tmp_path / "tmp").mkdir()
+    failing = run_sh("--prefix", prefix, "--hosts", "2", "--", "--no-such-flag", timeout=120,
+                     extra_env={"TMPDIR": str(tmp_path / "tmp")})
+    assert failing.returncode == 1 and "a rank failed" in failing.stderr
+    made = list((tmp_path / "tmp").iterdir())
+    assert len(made) == 1 and made[0].name.startswith("gsnet-out.") and made[0].stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in made[0].iterdir()) == ["rank0-500mbit.log", "rank1-500mbit.log"]
 
 
 NICE_LOOPS = """

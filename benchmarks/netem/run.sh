@@ -11,17 +11,19 @@
 # Arguments after -- replace the defaults given to bench_allreduce.py (BENCH_ARGS below).
 #
 # Writes DIR/rate-<rate>.json (bench_allreduce.py's rows), DIR/rank<i>-<rate>.log and, through
-# report.py, DIR/netem.{json,md,png}. PYTHON selects the interpreter (default python3).
+# report.py, DIR/netem.{json,md,png}; without --out, DIR is a new private folder under $TMPDIR (or
+# /tmp), named at the start. One run at a time per prefix. PYTHON selects the interpreter (default
+# python3).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 BENCH=$(dirname "$HERE")/bench_allreduce.py
-HOSTS=4 RATES=500mbit,1gbit,2gbit OUT=${TMPDIR:-/tmp}/gsnet-out PREFIX=gsnet- TIMEOUT=900 DRY=
+HOSTS=4 RATES=500mbit,1gbit,2gbit OUT= PREFIX=gsnet- TIMEOUT=900 DRY=
 PYTHON=${PYTHON:-python3}
 BENCH_ARGS=(--min-bytes 1K --max-bytes 64M --step 4 --budget-bytes 512M)
 MASTER_PORT=29500  # the namespaces are private, so a fixed port cannot collide
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while (($#)); do
   case $1 in
     --hosts) HOSTS=$2; shift 2 ;;
@@ -106,6 +108,17 @@ cleanup() {
   echo "# torn down" >&2 || true
   exit "$status"
 }
+# A second run with this prefix would tear down this one's namespaces as leftovers. The lock lives
+# in root's own /run, where no other user can plant a link, and goes with this shell however it
+# ends (the ranks do not hold it: a killed run's ranks are leftovers for the next run to kill). It
+# is taken before the exit trap is set, which would tear down the running one's namespaces.
+if [[ -z $DRY ]]; then
+  command -v flock >/dev/null || { echo "run.sh: needs flock (util-linux)" >&2; exit 2; }
+  exec {lock}>>"/run/gradsync-netem-$PREFIX.lock" ||
+    { echo "run.sh: cannot create /run/gradsync-netem-$PREFIX.lock" >&2; exit 2; }
+  flock -n "$lock" ||
+    { echo "run.sh: another run with prefix $PREFIX is in progress (give this one another --prefix)" >&2; exit 2; }
+fi
 [[ -n $DRY ]] || { trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; }
 
 setup() {
@@ -137,7 +150,7 @@ bench() {
       echo "$(printf '%q ' "${cmd[@]}")>$(printf '%q' "$log") 2>&1 &"
       continue
     fi
-    "${cmd[@]}" >"$log" 2>&1 &
+    "${cmd[@]}" >"$log" 2>&1 {lock}>&- &
     pids+=($!)
   done
   [[ -z $DRY ]] || echo wait
@@ -152,7 +165,19 @@ bench() {
   run cat "$OUT/rank0-$rate.log"
 }
 
-run mkdir -p "$OUT"
+# The default folder is a new one (mktemp -d: mode 0700), never a fixed name in a shared /tmp that
+# another user could have made first, or filled with links, for root to write through.
+if [[ -z $OUT ]]; then
+  if [[ -n $DRY ]]; then
+    OUT=${TMPDIR:-/tmp}/gsnet-out.XXXXXX
+    echo "mktemp -d $(printf '%q' "$OUT")"
+  else
+    OUT=$(mktemp -d "${TMPDIR:-/tmp}/gsnet-out.XXXXXX")
+  fi
+else
+  run mkdir -p "$OUT"
+fi
+echo "# output: $OUT"
 echo "# cleanup of leftovers"
 teardown
 echo "# setup: $HOSTS hosts on a bridge"
