@@ -365,7 +365,7 @@ class DataParallel(torch.nn.Module, Joinable):
       buckets are issued in the same order on every rank.
       The first synchronized step with each set of buckets verifies that every rank has the same
       buckets and codec; later steps skip that check (a hop of latency per bucket, n-1 hops
-      beyond 8 ranks).
+      beyond 8 ranks and always over NCCL).
     - ``gradient_as_bucket_view``: as DDP's, the ``.grad`` of each float32 parameter becomes a view
       of its bucket, so that gradients take no memory beside the buckets and are neither copied
       into them nor back (a gradient autograd makes afresh, after ``zero_grad(set_to_none=True)``,

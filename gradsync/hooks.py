@@ -106,7 +106,7 @@ class GradSyncState:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
         (numel, dtype, codec, scaling): until one such all-reduce has succeeded, and again whenever
         DDP's buckets change. Later steps skip the check, which costs a hop of latency per bucket
-        (n-1 beyond 8 ranks)."""
+        (n-1 beyond 8 ranks and always over NCCL)."""
         params = bucket.parameters()
         return not params or self._check_key(bucket, codec) not in self._checked.get(id(params[0]), ())
 
