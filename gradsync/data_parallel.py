@@ -241,6 +241,12 @@ def _caller_stacklevel():
     return level
 
 
+def _under_compiled_autograd():
+    # not imported: compiled autograd cannot be on (looked up so that gradsync never imports Dynamo)
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
 def _on_grad(wrapper, param):
     wrapper = wrapper()
     if wrapper is not None and not wrapper._retired:
@@ -435,7 +441,8 @@ class DataParallel(torch.nn.Module, Joinable):
       wrapper's bookkeeping runs eagerly around it. As for DDP, Dynamo's DDPOptimizer splits the
       compiled forward at bucket boundaries (``bucket_cap_mb``, but never below its 1 MiB first
       bucket), so the compiled backward delivers gradients bucket by bucket and the buckets go out
-      while it runs (``torch._dynamo.config.optimize_ddp = False`` keeps one graph).
+      while it runs (``torch._dynamo.config.optimize_ddp = False`` keeps one graph). Compiled
+      autograd is refused: a ``RuntimeError`` on every rank in the first gradient hook.
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
@@ -889,6 +896,13 @@ class DataParallel(torch.nn.Module, Joinable):
         self._leave_join()
 
     def _on_grad(self, param):
+        if _under_compiled_autograd():  # raised on every rank, before anything is sent
+            raise RuntimeError(
+                "gradsync.DataParallel does not run under compiled autograd (torch._dynamo.config.compiled_autograd"
+                "=True): its gradient hooks hand each bucket to gradsync's own thread and end the step with an "
+                "autograd callback, which a compiled backward graph cannot hold. Turn compiled autograd off: "
+                "torch.compile(gradsync.DataParallel(net)) still compiles forward and backward, and sends the buckets "
+                "while the compiled backward runs")
         if param.grad is not None and param.grad.layout != torch.strided:
             raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(param)!r} has a {param.grad.layout} "
                                "gradient; gradsync averages dense gradients only (e.g. torch.nn.Embedding(..., "

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradsync
 from conftest import same_bits
@@ -213,6 +214,34 @@ def compiled_data_parallel(rank, size):
 
 def test_a_compiled_data_parallel_trains_as_the_uncompiled_one(worlds):
     assert all(worlds(2).run(compiled_data_parallel))
+
+
+def refused_under_compiled_autograd(rank, size):
+    """Compiled autograd would trace the gradient hooks into its backward graph, which cannot hold
+    gradsync's thread nor the step's end callback: every rank refuses it in its first hook, before
+    anything is sent, and the wrapper then averages an eager backward as usual."""
+    from torch._dynamo import compiled_autograd
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = gradsync.DataParallel(net, codec="none")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss = model(x).square().sum()
+        with pytest.raises(RuntimeError, match="does not run under compiled autograd"):
+            loss.backward()
+    net.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    mine = torch.func.grad(lambda p: torch.func.functional_call(net, p, (x,)).square().sum())(
+        {k: v.detach() for k, v in net.named_parameters()})
+    for name, p in net.named_parameters():
+        expected = mine[name].clone()
+        dist.all_reduce(expected)
+        torch.testing.assert_close(p.grad, expected / size, rtol=1e-6, atol=1e-6)
+    return True
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error(worlds):
+    assert all(worlds(2).run(refused_under_compiled_autograd))
 
 
 def bucket_by_bucket(rank, size):
