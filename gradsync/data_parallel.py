@@ -406,7 +406,11 @@ class DataParallel(torch.nn.Module, Joinable):
       (``requires_grad=False``) contributes zeros, is never written and does not hold back its
       bucket. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
-      replaced (``load_state_dict(assign=True)``) or unfrozen raises.
+      replaced (``load_state_dict(assign=True)``) or unfrozen raises, unless it runs under
+      ``torch.no_grad()`` (as ``torch.func.functional_call`` with other weights may).
+    - Hooks registered on the parameters (``register_post_accumulate_grad_hook``: clipping, noise)
+      run before gradsync reads the gradient, as they do before DDP's reducer, also when registered
+      after wrapping (from the next forward on).
     - A step whose backward raised is abandoned at the next forward or backward (its calls are
       waited for).
     - ``with model.join():`` trains on uneven inputs, as DDP's ``join()`` does (it is a
@@ -421,7 +425,9 @@ class DataParallel(torch.nn.Module, Joinable):
       one forward (reentrant checkpointing), raises there, and the joined rank fails at the
       group's timeout.
     - Every backward pass that accumulates gradients is a step: a backward of the wrapped module
-      called directly communicates too (on every rank, or it waits for the others), and reentrant
+      called directly communicates too, so every rank must make it (made on some ranks only, it
+      pairs with the others' next step: a wrong average, then a timeout; take such gradients with
+      ``torch.autograd.grad``, which accumulates none), and reentrant
       activation checkpointing (``use_reentrant=True``) all-reduces once per nested backward pass
       (right, but repeated work; a parameter averaged in an inner pass is left as it is by the
       outer ones, since no rank used it there): prefer ``use_reentrant=False``. A
@@ -552,6 +558,7 @@ class DataParallel(torch.nn.Module, Joinable):
         ref = weakref.ref(self)
         _claim(params, ref)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
+        self._grad_hooks = list(zip(params, handles))
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
         weakref.finalize(self, _drop_hint, self._dynamo_hint)  # left behind by a compiled forward that raised
@@ -734,7 +741,7 @@ class DataParallel(torch.nn.Module, Joinable):
 
     @_eager_under_compile
     def _before_forward(self):
-        self._check_parameters()
+        self._check_parameters(swaps_allowed=not torch.is_grad_enabled())
         if self._step_failed():
             self._abandon_step()
         broadcasts = self._broadcasts_buffers()
@@ -744,6 +751,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._announced = self._announce(joined=False, broadcasts=broadcasts)
         if torch.is_grad_enabled():
             self._forward_synced = self._sync
+            self._hooks_last()
         if broadcasts:
             self._check_buffers(self._buffers_seen)
             self._broadcast(self._buffers_seen, self._announced.source if self._join_config.enable else None,
@@ -770,12 +778,23 @@ class DataParallel(torch.nn.Module, Joinable):
                                   "every parameter", stacklevel=_caller_stacklevel())
             self._reached = None if self._walk_failed else reached | (self._reached or set())
 
+    def _hooks_last(self):
+        """Moves each parameter's averaging hook behind the post-accumulate-grad hooks registered on it
+        since (a hook that clips or adds noise to .grad in place): as DDP's reducer, gradsync then
+        reads the gradient those hooks leave, and no hook edits a gradient its bucket is sending."""
+        for param, handle in self._grad_hooks:
+            hooks = param._post_accumulate_grad_hooks  # torch's dict of them by handle id, run in its order
+            if hooks is not None and next(reversed(hooks)) != handle.id and handle.id in hooks:
+                hooks[handle.id] = hooks.pop(handle.id)  # autograd reads the dict's own order: not move_to_end's
+
     def _broadcasts_buffers(self):
         """Before a training forward, unless the last one was made inside no_sync(): once per step."""
         return (self.broadcast_buffers and self.training and torch.is_grad_enabled() and self._forward_synced
                 and bool(self._buffers_seen))
 
-    def _check_parameters(self):
+    def _check_parameters(self, swaps_allowed=False):
+        """swaps_allowed: a forward that trains nothing may run on parameters swapped in for it
+        (torch.func.functional_call under no_grad, as with DDP)."""
         if self._retired:
             raise RuntimeError("gradsync.DataParallel: the module was wrapped again, and the newer wrapper averages its "
                                "gradients; train through that one")
@@ -788,10 +807,13 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
                                "(gradient_as_bucket_view=True) changed its dtype after wrapping; cast the module "
                                "first, then wrap it")
+        if swaps_allowed:
+            return
         raise RuntimeError("gradsync.DataParallel: the module's parameters were moved to another device, replaced "
                            "or unfrozen after it was wrapped, and gradsync would not average them; move the module, "
-                           f"load its weights and choose its trainable parameters first, then wrap it (buckets on "
-                           f"{self._device})")
+                           "load its weights and choose its trainable parameters first, then wrap it (buckets on "
+                           f"{self._device}). torch.func.functional_call swaps them too: call it under "
+                           "torch.no_grad(), or on model.module")
 
     @contextlib.contextmanager
     def no_sync(self):

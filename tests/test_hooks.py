@@ -547,7 +547,13 @@ def issued_when_the_first_layer_is_done(rank, size, find):
     net = model.module
     assert [id(p) for p in model.buckets[0]] == [id(net.spare.bias), id(net.spare.weight)] and len(model.buckets) == 3
     issued = []
-    net.body[0].weight.register_post_accumulate_grad_hook(lambda p: issued.append(model._next))  # after gradsync's
+    on_grad = model._on_grad
+
+    def after_gradsyncs_hook(param):
+        on_grad(param)
+        if param is net.body[0].weight:
+            issued.append(model._next)
+    model._on_grad = after_gradsyncs_hook
     for step in range(3):
         model.zero_grad(set_to_none=True)
         x, y = batch(rank, step)
@@ -1708,3 +1714,45 @@ def test_a_bucket_counts_as_agreed_on_only_once_its_checked_call_succeeded():
     assert state.needs_check(bucket, "bf16") and state.needs_check(FakeBucket([b, a]), "fp16")
     del a, bucket
     assert not state._checked  # dropped with the bucket's first parameter
+
+
+def clip_in_place(p):
+    p.grad.clamp_(-0.1, 0.1)
+
+
+def hooks_on_parameters_and_swapped_weights(rank, size):
+    """Hooks a user registers on the parameters after wrapping (per-rank clipping) run before gradsync
+    reads the gradient, as before DDP's reducer: the average is that of the clipped gradients, with
+    one bucket or several, with copies or bucket views. A forward under no_grad may run on weights
+    swapped in by torch.func.functional_call (an EMA's); with grad enabled that is refused."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    for views in (False, True):
+        for bucket_mb in (25, 1e-4):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+            ref = copy.deepcopy(net)
+            model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=bucket_mb, gradient_as_bucket_view=views)
+            for p in net.parameters():
+                p.register_post_accumulate_grad_hook(clip_in_place)
+            for step in range(2):
+                net.zero_grad()
+                ref.zero_grad()
+                model(x + step).pow(2).sum().backward()
+                ref(x + step).pow(2).sum().backward()
+                for p, q in zip(net.parameters(), ref.parameters()):
+                    expected = q.grad.clamp(-0.1, 0.1)
+                    dist.all_reduce(expected)
+                    torch.testing.assert_close(p.grad, expected / size, rtol=1e-6, atol=1e-7)
+    ema = {name: p.detach() * 0.5 for name, p in model.named_parameters()}
+    with torch.no_grad():
+        swapped = torch.func.functional_call(model, ema, (x,))
+    plain = {name.removeprefix("module."): p for name, p in ema.items()}
+    assert torch.equal(swapped, torch.func.functional_call(net, plain, (x,)))
+    with pytest.raises(RuntimeError, match="functional_call swaps them too"):
+        torch.func.functional_call(model, ema, (x,))
+    model(x).pow(2).sum().backward()  # the wrapper is intact
+    return True
+
+
+def test_parameter_hooks_run_first_and_no_grad_forwards_may_swap_weights(worlds):
+    assert all(worlds(2).run(hooks_on_parameters_and_swapped_weights))
