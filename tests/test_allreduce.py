@@ -401,6 +401,7 @@ def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
 
 
 def refused_on_one_rank(rank, size):
+    from torch.testing._internal.two_tensor import TwoTensor
     """Each call is refused on rank 1 alone (its arguments); then every rank makes one more call.
     Rank 1 raises its own error; the others a ValueError naming it, at once; the next calls pair."""
     outcomes = []
@@ -409,6 +410,10 @@ def refused_on_one_rank(rank, size):
              ("codec", lambda x: gradsync.all_reduce(x, op="sum", codec="int8")),
              ("not a tensor", lambda x: gradsync.all_reduce(x.tolist(), op="sum")),
              ("reduce_scatter", lambda x: gradsync.reduce_scatter(torch.empty(x.numel() // size + 1), x, op="sum")),
+             # the engine reads memory: a negative view's sign is not in it, a wrapper subclass has none
+             ("negative view", lambda x: gradsync.all_reduce(torch._neg_view(x), op="sum")),
+             ("negative residual", lambda x: gradsync.all_reduce(x, op="sum", residual=torch._neg_view(torch.zeros(1200)))),
+             ("wrapper subclass", lambda x: gradsync.all_reduce(TwoTensor(x, x.clone()), op="sum")),
              ("unchecked", lambda x: gradsync.all_reduce(x, op="sum", codec="int8", check_call=0))]
     for kind, refused in cases:
         x = torch.full((1200,), 1.0 + rank)
@@ -450,17 +455,24 @@ def test_a_call_refused_on_one_rank_makes_every_rank_raise(worlds):
         world.close()
     expected = 10.0 * (1 + 2 + 3)
     for rank, outcomes in enumerate(results):
-        for kind, outcome, quick_and_untouched, y in outcomes[:5]:
+        for kind, outcome, quick_and_untouched, y in outcomes[:8]:
             assert quick_and_untouched and y == expected, (rank, kind, outcome, y)
             if rank == 1:
                 assert outcome.startswith(("ValueError", "TypeError")), (kind, outcome)
             else:
                 assert outcome.startswith("ValueError") and "rank(s) 1 could not prepare the call (its arguments" \
                     in outcome, (rank, kind, outcome)
-        kind, outcome, _, _ = outcomes[5]
+        kind, outcome, _, _ = outcomes[8]
         assert kind == "unchecked" and outcome.startswith("ValueError" if rank == 1 else "RuntimeError"), outcome
+    assert [o[1] for o in results[1][5:8]] == [
+        "ValueError: tensor is a negative view (torch._neg_view), whose sign the ring would not apply; pass "
+        "tensor.resolve_neg()",
+        "ValueError: residual is a negative view (torch._neg_view), whose sign the ring would not apply; pass "
+        "residual.resolve_neg()",
+        "ValueError: tensor has no memory of its own to read or write (a tensor subclass that wraps others?); pass "
+        "plain tensors"]
     # rank 1's group is unusable, saying why
-    assert "refused here with check_call=False" in results[1][6] and "unknown codec 'int8'" in results[1][6], results[1][6]
+    assert "refused here with check_call=False" in results[1][9] and "unknown codec 'int8'" in results[1][9], results[1][9]
 
 
 def out_of_memory_on_one_rank(rank, size, victim, check_call):
