@@ -1,4 +1,5 @@
 """benchmarks/netem: the emulated cluster's commands (dry run), its report, and a real 2-host run where root can."""
+import fcntl
 import importlib.util
 import json
 import os
@@ -195,8 +196,7 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
 
 
 def test_one_run_per_prefix_and_a_private_folder_by_default(prefix, tmp_path):
-    import fcntl
-    # another run of this prefix: its lock held and a namespace of its up
+    # another run of this prefix: its lock held and one of its namespaces up
     subprocess.run(["ip", "netns", "add", prefix + "sw"], check=True)
     try:
         with open(f"/run/gradsync-netem-{prefix}.lock", "a") as lock:
