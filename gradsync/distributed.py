@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _data_ptr, _eager_under_compile, _within_storage
+from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _check_memory, _eager_under_compile
 
 OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20
@@ -173,7 +173,7 @@ def _check_residual(residual, tensor, *others):
         raise ValueError(f"residual must be a contiguous float32 tensor, got {residual.dtype}")
     if not residual.is_contiguous():
         raise ValueError("residual must be a contiguous float32 tensor, got a non-contiguous one")
-    _check_memory(residual, "residual")
+    _check_memory(residual, "residual", "the ring")
     if residual.numel() != tensor.numel() or residual.device != tensor.device:
         raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
                          f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")
@@ -396,19 +396,7 @@ def _check_tensor(t, name, caller):
         raise ValueError(f"{name} must be contiguous")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; gradsync.{caller} takes CPU or CUDA tensors")
-    _check_memory(t, name)
-
-
-def _check_memory(t, name):
-    """What the engine reads and writes through the tensor's address: its own elements, signed as stored."""
-    if t.numel() and not _data_ptr(t):
-        raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
-                         "pass plain tensors")
-    if not _within_storage(t):
-        raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the view was made)")
-    if t.is_neg():  # a rank passing one would sum the stored values and differ from the others
-        raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign the ring would not apply; "
-                         f"pass {name}.resolve_neg()")
+    _check_memory(t, name, "the ring")  # a rank passing a negative view would sum what is stored
 
 
 def _check_not_capturing(t, caller):

@@ -63,13 +63,19 @@ def _check_tensor(value, name):
         raise ValueError(f"{name} is a nested tensor; gradsync's kernels take dense (strided) tensors")
     if value.layout != torch.strided:
         raise ValueError(f"{name} has layout {value.layout}; gradsync's kernels take dense (strided) tensors")
-    if value.numel() and not _compiling() and not _data_ptr(value):
+    if not _compiling():  # fake tensors have no memory, and torch.compile resolves negative views itself
+        _check_memory(value, name, "the kernels")
+
+
+def _check_memory(t, name, reader):
+    """What ``reader`` reads and writes through the tensor's address: its own elements, signed as stored."""
+    if t.numel() and not _data_ptr(t):
         raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
                          "pass plain tensors")
-    if not _compiling() and not _within_storage(value):
+    if not _within_storage(t):
         raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the view was made)")
-    if not _compiling() and value.is_neg():  # torch.compile resolves negative views itself
-        raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign the kernels would not apply; "
+    if t.is_neg():
+        raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign {reader} would not apply; "
                          f"pass {name}.resolve_neg()")
 
 

@@ -401,9 +401,9 @@ def test_ranks_that_disagree_all_raise_and_leave_tensors_alone(worlds):
 
 
 def refused_on_one_rank(rank, size):
-    from torch.testing._internal.two_tensor import TwoTensor
     """Each call is refused on rank 1 alone (its arguments); then every rank makes one more call.
     Rank 1 raises its own error; the others a ValueError naming it, at once; the next calls pair."""
+    from torch.testing._internal.two_tensor import TwoTensor
     outcomes = []
     cases = [("residual", lambda x: gradsync.all_reduce(x, op="sum", residual=torch.zeros(x.numel() - 1))),
              ("scale", lambda x: gradsync.all_reduce(x, op="sum", prescale=1e-50)),
