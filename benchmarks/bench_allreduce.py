@@ -341,6 +341,7 @@ def main():
             parser.error(f"--impls {' '.join(args.impls)} matches none of: {', '.join(names)}")
     if args.accuracy and args.plot:
         parser.error("--plot draws the timed table; --accuracy has none")
+    common.check_output_folders(parser, args, "--json", "--plot")
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -121,6 +121,7 @@ def main():
         parser.error(f"--params must be at least --layers ({args.layers}), got {args.params}")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the modes alternate over two passes), got {args.steps}")
+    common.check_output_folders(parser, args, "--json")
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -160,6 +160,7 @@ def main():
     if args.max_mb is not None and args.max_mb < 4:
         parser.error(f"--max-mb must be at least 4 (the smallest single buffer), got {args.max_mb}")
     max_mb = args.max_mb or (1024 if device.type == "cuda" else 256)
+    common.check_output_folders(parser, args, "--json", "--plot")
 
     cases = [("gpt2-124M", shapes.gpt2_small()), ("resnet50", shapes.resnet50())]
     if not args.sets_only:

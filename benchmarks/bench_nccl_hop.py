@@ -22,6 +22,9 @@ import torch
 import gradsync
 from gradsync import _C
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 SIZES = [4 << 10, 256 << 10, 4 << 20]
 FIELDS = ("issue", "pipelined", "alone")
 
@@ -50,6 +53,7 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--blocking-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    common.check_output_folders(parser, args, "--json")
     if not torch.cuda.is_available():
         sys.exit("bench_nccl_hop.py needs a GPU")
     if args.blocking_child:

@@ -110,6 +110,15 @@ KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "c
                   ("speedup", "speedup", 9, ratio), ("error", "error", 10, sci)]
 
 
+def check_output_folders(parser, args, *options):
+    """A usage error now, not after the run: the folder of each output file given must exist."""
+    for option in options:
+        path = getattr(args, option.lstrip("-").replace("-", "_"))
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            parser.error(f"{option} {path}: the folder {folder} does not exist")
+
+
 def write_json(path, title, rows, meta):
     """Writes whole or not at all: a run stopped while writing leaves the last complete file."""
     with open(f"{path}.partial", "w") as f:

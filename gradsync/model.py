@@ -692,37 +692,58 @@ def validation_table(rows):
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 
 
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MB, got {value}")
+    return value
+
+
+def _load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default=os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json"),
-                        help="bench_kernels.py JSON with the CPU kernel costs (for --validate, and the CPU rows)")
+    parser.add_argument("--kernels", help="bench_kernels.py JSON with the CPU kernel costs (for --validate, and the "
+                        "CPU rows; default: the committed 2026-12-01-cpu-kernels-1thread.json where it is at hand)")
     parser.add_argument("--loopback", default=os.path.join(RESULTS, "2026-12-01-cpu-allreduce-4ranks-interleaved.json"),
                         help="bench_allreduce.py JSON of an unshaped loopback run: the TCP stack's cost (for --validate)")
     parser.add_argument("--validate", help="a netem report JSON (benchmarks/netem/report.py) to check the model against")
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
     parser.add_argument("--latencies-from", help="another netem report JSON whose latency-bound rows give the hop "
                         "latencies (held out: no row's own time in its prediction)")
-    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[25, 256])
+    parser.add_argument("--bucket-mb", type=_positive_int, nargs="+", default=[25, 256])
     parser.add_argument("--gpu-kernels", help="a CUDA bench_kernels.py JSON (benchmarks/gpu_suite.sh writes one): "
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
+    kernels_given = args.kernels is not None
+    if not kernels_given:
+        args.kernels = os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json")
+    read = {"--validate": args.validate, "--latencies-from": args.latencies_from,
+            "--gpu-kernels": args.gpu_kernels, "--nccl-hop": args.nccl_hop}
+    if kernels_given or args.validate:
+        read["--kernels"] = args.kernels
     if args.validate:
-        for path, option in ((args.kernels, "--kernels"), (args.loopback, "--loopback")):
-            if not os.path.exists(path):
-                parser.error(f"{option} {path} does not exist (pass the measurement JSON)")
-        with open(args.validate) as f:
-            netem = json.load(f)
-        held_out = None
-        if args.latencies_from:
-            with open(args.latencies_from) as f:
-                held_out = json.load(f)
-        latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
+        read["--loopback"] = args.loopback
+    for option, path in read.items():
+        if path and not os.path.isfile(path):
+            parser.error(f"{option} {path} does not exist (pass the measurement JSON)")
+    if args.validate:
+        try:
+            netem = _load_json(args.validate)
+            held_out = _load_json(args.latencies_from) if args.latencies_from else None
+            latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
+            rows = validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)
+        except (OSError, ValueError, KeyError) as error:  # json's errors are ValueErrors
+            parser.error(f"{type(error).__name__}: {error}")
         source = f" in {os.path.basename(args.latencies_from)}" if held_out else \
             f" in this run's rows of {LATENCY_BOUND_BYTES >> 10} KB or less (so those rows are in-sample)"
         print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); hop latency measured{source}: "
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in latencies.items() if v) + f"; {kernels.name}")
-        print(validation_table(validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)))
+        print(validation_table(rows))
         print()
     try:
         cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None

@@ -134,10 +134,16 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     ("bench_allreduce.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("bench_allreduce.py", ["--min-bytes", ""], "--min-bytes"),
     ("bench_allreduce.py", ["--accuracy", "--impls", "fp16"], "--impls selects timed rows"),
+    # an output file in a folder that is not there: refused before the run, not written after it
+    ("bench_kernels.py", ["--cases", "gpt2", "--plot", "missing/k.png"], "--plot missing/k.png: the folder"),
+    ("bench_allreduce.py", ["--json", "missing/a.json"], "--json missing/a.json: the folder"),
+    ("bench_ddp.py", ["--json", "missing/d.json"], "--json missing/d.json: the folder"),
+    ("bench_nccl_hop.py", ["--json", "missing/h.json"], "--json missing/h.json: the folder"),
+    (os.path.join("netem", "report.py"), ["--out", "missing/r", "rate-1gbit.json"], "--out missing/r: the folder"),
 ])
-def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message):
+def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 

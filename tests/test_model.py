@@ -405,6 +405,21 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
 
 
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
+    (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
+    (["--kernels", "missing.json"], "--kernels missing.json does not exist"),
+    (["--validate", "missing.json"], "--validate missing.json does not exist"),
+    (["--validate", "not_json.json"], "JSONDecodeError"),
+    (["--validate", KERNELS_JSON], "KeyError: 'ranks'"),  # a kernels run where a netem report belongs
+])
+def test_the_command_line_refuses_bad_arguments_as_usage_errors(tmp_path, argv, says):
+    (tmp_path / "not_json.json").write_text("size time\n")
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", *argv],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
 # Two and three hosts (2026-12-01, 1 Gbit/s, 62 configurations each): the ring's size in the model
 # checked against runs. Outside 25 %: with two hosts seven rows of 1 and 4 KB, a few tenths of a
 # millisecond each, and three of 1 MB: fp8_e4m3 and fp8_e5m2 (2.9 and 3.2 ms, 1.9 predicted: the

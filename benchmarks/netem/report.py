@@ -124,6 +124,7 @@ def main():
     parser.add_argument("--out", required=True, help="writes PREFIX.json, PREFIX.md and PREFIX.png")
     parser.add_argument("runs", nargs="+", help="rate-<rate>.json files written by run.sh")
     args = parser.parse_args()
+    common.check_output_folders(parser, args, "--out")
     rows, meta = load(args.runs)
     targets = check_targets(rows)
     meta = dict(meta, date=datetime.date.today().isoformat(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
