@@ -199,6 +199,11 @@ def parse(argv):
     for flag, value in (("--steps", args.steps), ("--nproc", args.nproc), ("--batch", args.batch)):
         if value < 1:
             p.error(f"{flag} must be at least 1, got {value}")
+    if not 0 < args.lr < math.inf:
+        p.error(f"--lr must be a positive number, got {args.lr}")
+    folder = os.path.dirname(os.path.abspath(args.plot))
+    if not os.path.isdir(folder):  # refused now, not after the training
+        p.error(f"--plot {args.plot}: the folder {folder} does not exist")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device is None:  # the GPUs of this node, one per local rank

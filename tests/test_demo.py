@@ -1,4 +1,4 @@
-"""The demo runs end to end: two spawned ranks, every mode, a table and a plot."""
+"""The demo runs end to end: two spawned ranks, every mode, a table and a plot; bad arguments are refused first."""
 import os
 import subprocess
 import sys
@@ -30,3 +30,12 @@ def test_demo_runs_every_mode_and_saves_the_plot(tmp_path):
     except ImportError:
         return
     assert plot.stat().st_size > 0
+
+
+def test_demo_refuses_bad_arguments_before_it_trains(tmp_path):
+    for args, says in ((["--lr", "nan"], "--lr must be a positive number, got nan"),
+                       (["--lr=-1e-3"], "--lr must be a positive number, got -0.001"),
+                       (["--plot", "missing/demo.png"], "--plot missing/demo.png: the folder")):
+        done = subprocess.run([sys.executable, "-m", "gradsync.demo", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
