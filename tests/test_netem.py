@@ -81,7 +81,7 @@ def test_dry_run_without_out_names_a_new_folder_and_makes_none(tmp_path):
 
 @pytest.mark.parametrize("args", [["--hosts", "1"], ["--hosts", "010"], ["--rate", "1gb"], ["--rate", "0.0mbit"],
                                   ["--rate", "00mbit"], ["--rate", "0.5kbit"], ["--rate", ""], ["--timeout", "abc"],
-                                  ["--prefix", "Bad_Prefix"], ["--frobnicate"]])
+                                  ["--prefix", "Bad_Prefix"], ["--frobnicate"], ["--hosts"], ["--out"]])
 def test_bad_arguments_fail_before_anything_runs(args):
     result = run_sh("--dry-run", *args)
     assert result.returncode == 2 and "run.sh:" in result.stderr

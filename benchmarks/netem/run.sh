@@ -26,6 +26,8 @@ MASTER_PORT=29500  # the namespaces are private, so a fixed port cannot collide
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while (($#)); do
   case $1 in
+    --hosts | --rate | --out | --prefix | --timeout)
+      (($# >= 2)) || { echo "run.sh: $1 needs a value" >&2; exit 2; } ;;&
     --hosts) HOSTS=$2; shift 2 ;;
     --rate) RATES=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
