@@ -21,6 +21,8 @@ modules' parameter groups reads FSDP2's private state too):
     fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group(), codec="fp8_e4m3",
                                      error_feedback=True)
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -43,7 +45,8 @@ class ReduceScatter(_ReduceScatterComm):
     1/n).
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
-    hooks check each bucket once). ``error_feedback``: keep, per layout, the fp32 residual of what
+    hooks check each bucket once), and every call once there have been several layouts (a layout
+    that depends on each rank's batch). ``error_feedback``: keep, per layout, the fp32 residual of what
     this rank's encodings lost and add it to the next step's gradients (see
     :func:`gradsync.all_reduce`); give each FSDP module an instance of its own, and make FSDP2
     reduce-scatter every parameter in every step (``set_reduce_scatter_unused_params(True)``), as
@@ -64,7 +67,7 @@ class ReduceScatter(_ReduceScatterComm):
         _check_codec(codec)
         self.codec = codec
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
-        self._checked = set()
+        self._layouts = {}  # per group: the layouts checked there
         self._residuals = {}
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -83,13 +86,13 @@ class ReduceScatter(_ReduceScatterComm):
             if residual is None:
                 residual = self._residuals[key] = torch.zeros(input_tensor.numel(), dtype=torch.float32,
                                                               device=input_tensor.device)
-        checked = (*key, group)  # a layout is checked again on a group of its own (a separate reduce-scatter group)
+        layouts = self._layouts.setdefault(group, _Layouts())  # a separate reduce-scatter group checks its own
         work = reduce_scatter(output_tensor, input_tensor, op=op, codec=self.codec, group=group, async_op=True,
-                              check_call=checked not in self._checked, residual=residual)
+                              check_call=layouts.needs_check(key), residual=residual)
         if async_op:  # checked again next time: whether this one succeeded is known at its wait()
             return work
         work.wait()
-        self._checked.add(checked)  # on every rank alike: the call succeeded everywhere or raised everywhere
+        layouts.add(key)
         return None
 
 
@@ -106,7 +109,7 @@ class ReplicaAllReduce:
     (each micro-batch's shard is all-reduced; the sums are the same); to communicate nothing until
     the last micro-batch, use ``set_requires_gradient_sync(False)``.
 
-    Each shard's layout is checked across the replicas the first time it is seen; that ``group``
+    Each shard's layout is checked across the replicas as :class:`ReduceScatter` checks its calls; that ``group``
     holds one rank per replica of the same shard is checked by :func:`compress_replica_all_reduce`.
     ``error_feedback``: keep, per layout, the fp32 residual of what this rank's encodings lost (see
     :func:`gradsync.all_reduce`): it has the shard's size, not the model's; as for
@@ -122,7 +125,7 @@ class ReplicaAllReduce:
         _op_factor(op, 1)  # an op all_reduce takes
         self.group, self.codec, self.op = group, codec, op
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
-        self._checked = set()
+        self._layouts = _Layouts()
         self._residuals = {}
 
     def __call__(self, shard: torch.Tensor) -> None:
@@ -132,9 +135,27 @@ class ReplicaAllReduce:
             residual = self._residuals.get(key)
             if residual is None:
                 residual = self._residuals[key] = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
-        all_reduce(shard, op=self.op, codec=self.codec, group=self.group, check_call=key not in self._checked,
+        all_reduce(shard, op=self.op, codec=self.codec, group=self.group, check_call=self._layouts.needs_check(key),
                    residual=residual)
-        self._checked.add(key)
+        self._layouts.add(key)
+
+
+class _Layouts:
+    """The layouts a module's calls on one group had. A new one is checked across the ranks; the one
+    every call has had is not again. Once there have been several, every call is checked: without
+    error feedback FSDP2 leaves out the parameters that got no gradient, so a call's layout depends
+    on each rank's batch, and two ranks can each bring a layout they know. Each successful call adds
+    the same layout on every rank (it was checked, or the one known everywhere), so the ranks agree
+    on whether to check."""
+
+    def __init__(self):
+        self._seen = set()
+
+    def needs_check(self, key) -> bool:
+        return key not in self._seen or len(self._seen) > 1
+
+    def add(self, key) -> None:
+        self._seen.add(key)
 
 
 def _fsdp_modules(module: torch.nn.Module, caller: str):
@@ -164,14 +185,24 @@ def _all_reduces_replicas(param_group):
     return isinstance(param_group.mesh_info, DDPMeshInfo)
 
 
-def _reduce_every_parameter(found, caller):
+def _reduce_every_parameter(found, caller, error_feedback):
     """Error feedback keeps a residual per layout: FSDP2 must reduce-scatter every parameter in every
-    step, zeros for those without a gradient, so that a layout is always the same parameters."""
-    for m, _ in found:
-        if not hasattr(m, "set_reduce_scatter_unused_params"):
-            raise ValueError(f"gradsync.fsdp.{caller}: error_feedback needs FSDP2 to reduce-scatter every parameter "
-                             "in every step (FSDPModule.set_reduce_scatter_unused_params), which this torch lacks")
-        m.set_reduce_scatter_unused_params(True, recurse=False)
+    step, zeros for those without a gradient, so that a layout is always the same parameters. Once
+    neither gradsync's reduce-scatter nor its replica all-reduce of a module keeps a residual, the
+    module gets back the setting it had."""
+    if error_feedback and not all(hasattr(m, "set_reduce_scatter_unused_params") for m, _ in found):
+        raise ValueError(f"gradsync.fsdp.{caller}: error_feedback needs FSDP2 to reduce-scatter every parameter "
+                         "in every step (FSDPModule.set_reduce_scatter_unused_params), which this torch lacks")
+    for m, groups in found:
+        feedback = m.__dict__.setdefault("_gradsync_feedback", {})  # caller -> whether its hooks keep residuals
+        feedback[caller] = error_feedback
+        if any(feedback.values()):
+            if "_gradsync_unused_params_found" not in m.__dict__:
+                m._gradsync_unused_params_found = [getattr(g, "reduce_scatter_unused_params", False) for g in groups]
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+        elif "_gradsync_unused_params_found" in m.__dict__:
+            for g, value in zip(groups, m.__dict__.pop("_gradsync_unused_params_found")):
+                g.reduce_scatter_unused_params = value
 
 
 def _check_replica_group(found, group):
@@ -184,6 +215,10 @@ def _check_replica_group(found, group):
             for _, groups in found for g in groups]
     places = [None] * group.size()
     dist.all_gather_object(places, mine, group=group)
+    if group.size() == 1 and dist.get_world_size() > 1:
+        warnings.warn("gradsync.fsdp.compress_replica_all_reduce: the group has one rank, so nothing is all-reduced "
+                      "across replicas; pass the replicas' group (mesh[\"replicate\"].get_group()), not the shard "
+                      "group of a mesh whose shards have one rank", stacklevel=3)
     if any(place != mine for place in places):
         raise ValueError("gradsync.fsdp.compress_replica_all_reduce: the group's ranks must hold the same shard, one "
                          "per replica (mesh[\"replicate\"].get_group()), but their (place, size) in the shard group "
@@ -197,10 +232,10 @@ def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, err
     step (``set_reduce_scatter_unused_params(True)``; see :class:`ReduceScatter`). Call it after
     ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_reduce_scatter")
-    if error_feedback:
-        _reduce_every_parameter(found, "compress_reduce_scatter")
-    for m, _ in found:
-        m.set_custom_reduce_scatter(ReduceScatter(codec, error_feedback=error_feedback))
+    comms = [ReduceScatter(codec, error_feedback=error_feedback) for _ in found]  # bad arguments change nothing
+    _reduce_every_parameter(found, "compress_reduce_scatter", comms[0].error_feedback)
+    for (m, _), comm in zip(found, comms):
+        m.set_custom_reduce_scatter(comm)
     return len(found)
 
 
@@ -222,9 +257,9 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
             raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh (or "
                              "replicated), whose replicas FSDP2 all-reduces itself; shard over the 1-D mesh of one "
                              "replica (mesh[\"shard\"]) and pass the replicas' group (mesh[\"replicate\"].get_group())")
+    hooks = [ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback) for _ in found]
     _check_replica_group(found, group)
-    if error_feedback:
-        _reduce_every_parameter(found, "compress_replica_all_reduce")
-    for m, _ in found:
-        m.set_all_reduce_hook(ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback))
+    _reduce_every_parameter(found, "compress_replica_all_reduce", hooks[0].error_feedback)
+    for (m, _), hook in zip(found, hooks):
+        m.set_all_reduce_hook(hook)
     return len(found)

@@ -406,9 +406,9 @@ def fsdp_checks(rank, size):
     return calls
 
 
-def test_fsdp2_hooks_check_each_layout_until_a_call_of_it_succeeds(worlds):
+def test_fsdp2_hooks_check_a_layout_until_a_call_of_it_succeeds_and_every_call_once_there_are_several(worlds):
     pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
-    expected = [("rs", True), ("rs", True), ("rs", True), ("rs", False), ("rs", False), ("rs", True), ("rs", False),
+    expected = [("rs", True), ("rs", True), ("rs", True), ("rs", True), ("rs", True), ("rs", True), ("rs", False),
                 ("ar", True), ("ar", False)]
     assert worlds(2).run(fsdp_checks) == [expected, expected]
 
@@ -505,3 +505,69 @@ def test_fsdp2_replica_all_reduce_refuses_a_group_that_is_not_the_replicas(world
         assert "group must be the replicas' ProcessGroup" in none, none
         for message in (shard, world):
             assert message and "must hold the same shard, one per replica" in message, message
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, both):
+        return self.a(x) + (self.b(x) if both else 0)
+
+
+def fsdp_setup_corners(rank, size):
+    """Layouts that depend on the batch; arguments refused before they change anything; error
+    feedback's setting given back; a replica group of one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = fully_shard(TwoHeads(), mesh=mesh)
+    fsdp.compress_reduce_scatter(model, "bf16")  # without error feedback: b is left out of a step without it
+    steps = []
+    for both in (True, False, rank == 0):  # two layouts known everywhere, then one on each rank
+        model.zero_grad()
+        try:
+            model(torch.randn(2, 4), both).sum().backward()
+            steps.append("ok")
+        except (RuntimeError, ValueError) as e:
+            steps.append(str(e))
+
+    model = fully_shard(TwoHeads(), mesh=mesh)
+    group = model._get_fsdp_state()._fsdp_param_group
+    native = group._reduce_scatter_comm
+    with pytest.raises(ValueError, match="unknown codec"):
+        fsdp.compress_reduce_scatter(model, "fp4", error_feedback=True)
+    with pytest.raises(TypeError, match="error_feedback"):
+        fsdp.compress_reduce_scatter(model, "bf16", error_feedback="yes")
+    assert not group.reduce_scatter_unused_params and group._reduce_scatter_comm is native
+    fsdp.compress_reduce_scatter(model, "bf16", error_feedback=True)
+    assert group.reduce_scatter_unused_params
+    fsdp.compress_reduce_scatter(model, "bf16")
+    assert not group.reduce_scatter_unused_params and not group._reduce_scatter_comm.error_feedback
+    model.set_reduce_scatter_unused_params(True)  # the user's own setting stays
+    fsdp.compress_reduce_scatter(model, "bf16", error_feedback=True)
+    fsdp.compress_reduce_scatter(model, "bf16")
+    assert group.reduce_scatter_unused_params
+
+    replicas = init_device_mesh("cpu", (size, 1), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(TwoHeads(), mesh=replicas["shard"])
+    group = model._get_fsdp_state()._fsdp_param_group
+    fsdp.compress_reduce_scatter(model, "bf16", error_feedback=True)
+    fsdp.compress_replica_all_reduce(model, replicas["replicate"].get_group(), "bf16")
+    assert group.reduce_scatter_unused_params  # the reduce-scatter's residual still needs it
+    fsdp.compress_reduce_scatter(model, "bf16")
+    assert not group.reduce_scatter_unused_params
+    with pytest.warns(UserWarning, match="the group has one rank, so nothing is all-reduced across replicas"):
+        fsdp.compress_replica_all_reduce(model, replicas["shard"].get_group())
+    return steps
+
+
+def test_fsdp2_setup_corners(worlds):
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    for steps in worlds(2).run(fsdp_setup_corners):
+        assert steps[:2] == ["ok", "ok"] and "the ranks disagree on the call" in steps[2], steps
