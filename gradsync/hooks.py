@@ -16,6 +16,7 @@ rounded to the wire format before it is added. Inf and NaN survive every codec, 
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -75,6 +76,7 @@ class GradSyncState:
 
     @process_group.setter
     def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        _check_member(group, "process_group")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         self._process_group = group
@@ -101,6 +103,9 @@ class GradSyncState:
         copy.__dict__.update(self.__dict__)
         copy._residuals, copy._checked = {}, {}
         return copy
+
+    def __copy__(self):
+        return self.__deepcopy__({})
 
     def needs_check(self, bucket: dist.GradBucket, codec: str) -> bool:
         """Whether this bucket's next all-reduce should first verify that every rank agrees on it
@@ -174,6 +179,19 @@ class GradSyncState:
 _default_states = weakref.WeakKeyDictionary()
 
 
+def _check_member(group, name):
+    """``dist.new_group`` gives a rank outside the group a placeholder, not a group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{name}: this rank is not a member of the group (dist.new_group gives the ranks outside it "
+                         "a placeholder)")
+
+
+def _check_dense(buffer):
+    if buffer.layout != torch.strided:
+        raise TypeError(f"gradsync's DDP hooks average dense gradients only, and this bucket is {buffer.layout} (e.g. "
+                        "torch.nn.Embedding(..., sparse=True)): use sparse=False, or DDP without a hook")
+
+
 def _forget(state_ref, table, key):
     """Drops a state's entry for a model that is gone. The state is held weakly: a state dropped
     before its model frees its residuals at once."""
@@ -204,8 +222,9 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     group, options = _resolve_state(state)
     codec = codec or options.codec
     buffer = bucket.buffer()
+    _check_dense(buffer)
     reduced = _reducible(buffer, codec)
-    residual = options.residual(bucket) if options.error_feedback else None
+    residual = options.residual(bucket) if _check_flag(options.error_feedback, "state.error_feedback") else None
     check = options.needs_check(bucket, codec)
     work = all_reduce(reduced, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
                       async_op=True, residual=residual, check_call=check)
@@ -351,15 +370,32 @@ def _node_groups(local_size):
     return local, cross
 
 
+def _check_two_groups(local_group, cross_group):
+    for group, name in ((local_group, "local_group"), (cross_group, "cross_group")):
+        _check_member(group, name)
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{name} must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    if local_group is cross_group and local_group.size() > 1:
+        raise ValueError("local_group and cross_group must be two groups, this rank's node and its place across the "
+                         "nodes; got the same group for both")
+
+
 def _check_node_groups(local_group, cross_group):
     """Every rank of the cross group holds the same place in a node of the same size: otherwise its
-    shards would be different chunks of the buckets, and summed all the same."""
+    shards would be different chunks of the buckets, and summed all the same. Groups that do not
+    cover the default group average within parts of it: a warning, since DDP may run on a subgroup."""
+    _check_two_groups(local_group, cross_group)
     mine = (local_group.rank(), local_group.size())
     places = [None] * cross_group.size()
     dist.all_gather_object(places, mine, group=cross_group)
     if any(place != mine for place in places):
         raise ValueError(f"the cross group's ranks must hold the same place in nodes of one size, got (place, node "
                          f"size) {places}")
+    covered, world = local_group.size() * cross_group.size(), dist.get_world_size()
+    if covered != world:
+        warnings.warn(f"HierarchicalState: its groups average over {local_group.size()} x {cross_group.size()} = "
+                      f"{covered} ranks, and the default group has {world}: a DDP model on the default group would "
+                      "be averaged within parts of it only, which then drift apart", stacklevel=3)
 
 
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -392,9 +428,11 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         raise RuntimeError(f"gradsync.hooks.hierarchical_hook: an earlier step failed ({state.broken}); this state's "
                            "groups may hold collectives its peers still wait in")
     buffer = bucket.buffer()
+    _check_dense(buffer)
     reduced = _reducible(buffer, state.codec)
     shard_numel = -(-buffer.numel() // state.local_group.size())
-    residual = state.shard_residual(bucket, shard_numel, buffer.device) if state.error_feedback else None
+    feedback = _check_flag(state.error_feedback, "state.error_feedback")
+    residual = state.shard_residual(bucket, shard_numel, buffer.device) if feedback else None
     check = state.needs_check(bucket, state.codec)
     done = hierarchical_average(reduced, state.local_group, state.cross_group, state.codec, check, residual)
     if reduced is not buffer:
@@ -416,22 +454,26 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
     """:func:`hierarchical_hook`'s average of a contiguous tensor, in place; returns a future of it at
     once. ``residual``: error feedback of the all-reduce across the nodes, a float32 tensor of
     ceil(numel / local_group.size()) elements."""
+    _check_two_groups(local_group, cross_group)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        raise ValueError("hierarchical_average: tensor must be a contiguous torch.Tensor")
     per_node = local_group.size()
     shard_numel = -(-tensor.numel() // per_node)
-    padded = tensor if shard_numel * per_node == tensor.numel() else \
-        torch.cat([tensor, tensor.new_zeros(shard_numel * per_node - tensor.numel())])
+    flat = tensor.view(-1)  # any shape: the shards are chunks of its elements
+    padded = flat if shard_numel * per_node == flat.numel() else \
+        torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])
     shard = tensor.new_empty(shard_numel)
 
     def across_and_gather(fut):  # on gradsync's thread of the node's group
         fut.value()  # raises the reduce-scatter's error, if any
         all_reduce(shard, codec=codec, group=cross_group, check_call=check_call, residual=residual)
         _all_gather_tensor(padded, shard, group=local_group)
-        if padded is not tensor:
-            tensor.copy_(padded[:tensor.numel()])
+        if padded is not flat:
+            flat.copy_(padded[:flat.numel()])
         if tensor.is_cuda:  # allocated on the caller's stream, last used on this one
             stream = torch.cuda.current_stream(tensor.device)
             shard.record_stream(stream)
-            if padded is not tensor:
+            if padded is not flat:
                 padded.record_stream(stream)
         return tensor
 

@@ -311,6 +311,51 @@ def test_hierarchical_hook_refuses_what_it_cannot_take(worlds):
     assert all(worlds(4).run(hierarchical_misuse))
 
 
+def groups_and_states_misuse(rank, size):
+    """What a state or hierarchical_average is given: a group this rank is outside of, one group for
+    both, groups that cover part of the world, sparse gradients, a flag set after construction; and
+    tensors of any shape averaged across nodes, copies that keep their group."""
+    pair = dist.new_group([0, 1])  # every rank makes every group, in the same order
+    singles = [dist.new_group([r]) for r in range(size)]
+    state = hooks.HierarchicalState(2)
+    if rank >= 2:
+        with pytest.raises(ValueError, match="process_group: this rank is not a member of the group"):
+            hooks.GradSyncState(process_group=pair)
+        with pytest.raises(ValueError, match="local_group: this rank is not a member of the group"):
+            hooks.HierarchicalState(local_group=pair, cross_group=pair)
+    else:
+        kept = copy.copy(hooks.GradSyncState(process_group=pair, codec="bf16"))
+        assert kept.process_group is pair and kept.codec == "bf16"
+    with pytest.raises(ValueError, match="must be two groups"):
+        hooks.hierarchical_average(torch.ones(4), dist.group.WORLD, dist.group.WORLD, "fp16")
+    # one-rank "nodes" whose cross group is the node of two: half the world each
+    with pytest.warns(UserWarning, match=r"average over 1 x 2 = 2 ranks, and the default group has 4"):
+        hooks.HierarchicalState(local_group=singles[rank], cross_group=state.local_group)
+    for shape in [(2, 3), (3, 1), (), (5,)]:  # the shards are chunks of the elements, whatever the shape
+        x = torch.full(shape, float(rank))
+        hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+        assert x.shape == shape and torch.equal(x, torch.full(shape, (size - 1) / 2)), (shape, x)
+    with pytest.raises(ValueError, match="tensor must be a contiguous"):
+        hooks.hierarchical_average(torch.ones(4, 2).t(), state.local_group, state.cross_group, "none")
+
+    x, y = batch(rank, 0)
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    late = hooks.GradSyncState()
+    late.error_feedback = "yes"
+    ddp.register_comm_hook(late, hooks.allreduce_hook)
+    with pytest.raises(Exception, match="state.error_feedback must be True or False, got 'yes'"):
+        F.mse_loss(ddp(x), y).backward()
+    embedding = DDP(torch.nn.Embedding(10, 4, sparse=True))
+    embedding.register_comm_hook(None, hooks.fp16_compress_hook)
+    with pytest.raises(Exception, match="dense gradients only, and this bucket is torch.sparse_coo"):
+        embedding(torch.tensor([rank, 5])).sum().backward()
+    return True
+
+
+def test_states_and_groups_that_cannot_work_are_refused_or_warned_about(worlds):
+    assert all(worlds(4).run(groups_and_states_misuse))
+
+
 def train_on(rank, size, device, modes, steps, unused=False):
     """Per mode, the parameters after `steps` SGD steps of make_net(unused) on `device` (DDP told to
     find unused parameters where there are some)."""
