@@ -201,7 +201,7 @@ def bench(args, device, size_done):
         dist.all_reduce(reference)
         reference /= n
         x = torch.empty_like(original)
-        iters = max(3, min(args.max_iters, int(args.budget_bytes // max(size, 1))))
+        iters = min(args.max_iters, max(3, int(args.budget_bytes // max(size, 1))))  # --max-iters below 3 too
         impls = {name: impl for name, impl in implementations(n, None, args.feedback, numel, device).items()
                  if not args.impls or name == "torch fp32" or any(s in name for s in args.impls)}
         errors, samples = {}, {name: [] for name in impls}
@@ -305,7 +305,8 @@ def main():
     parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("256M"))
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
     parser.add_argument("--budget-bytes", type=parse_bytes, default=parse_bytes("1G"),
-                        help="iterations per row: about this many bytes, 3 to --max-iters iterations")
+                        help="iterations per row: about this many bytes, at least 3 (or --max-iters if fewer), "
+                        "at most --max-iters")
     parser.add_argument("--max-iters", type=int, default=200,
                         help="small messages are latency-bound and their times scatter (a rank waits for a core "
                              "now and then): a row of fewer than ~200 calls moved by +-30 %% between runs")

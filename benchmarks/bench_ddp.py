@@ -47,17 +47,17 @@ def deep_mlp(params, layers=12, device="cpu"):
 
 
 class Timeline:
-    """Wraps a hook to record, per bucket, when its all-reduce was issued and when it completed."""
+    """Wraps a hook to record, per bucket, when its all-reduce was issued, when it completed, and its numel."""
 
     def __init__(self, hook):
         self.hook, self.events = hook, []
         self.__name__ = self.__qualname__ = "timeline_" + hook.__name__
 
     def __call__(self, state, bucket):
-        issued = time.perf_counter()
+        issued, numel = time.perf_counter(), bucket.buffer().numel()
 
         def done(fut):
-            self.events.append((issued, time.perf_counter()))
+            self.events.append((issued, time.perf_counter(), numel))
             return fut.value()
         return self.hook(state, bucket).then(done)
 
@@ -69,9 +69,9 @@ def overlap(model, step, timeline):
     """(buckets done before the last one was issued, their count, ms of communication inside backward)."""
     timeline.events.clear()
     step(model)
-    last_issue = max(issued for issued, _ in timeline.events)
-    inside = sum(max(0.0, min(done, last_issue) - issued) for issued, done in timeline.events)
-    return sum(done <= last_issue for _, done in timeline.events), len(timeline.events), 1e3 * inside
+    last_issue = max(issued for issued, _, _ in timeline.events)
+    inside = sum(max(0.0, min(done, last_issue) - issued) for issued, done, _ in timeline.events)
+    return sum(done <= last_issue for _, done, _ in timeline.events), len(timeline.events), 1e3 * inside
 
 
 def wrapped(model, mode):
@@ -143,15 +143,13 @@ def main():
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    # communication alone: gradsync fp16 all-reduces of DDP-sized buckets
-    bucket = 25 * 2**20 // 4
-    buckets = [torch.randn(min(bucket, numel - i)) for i in range(0, numel, bucket)]
+    # communication alone: gradsync fp16 all-reduces of the buckets the hook's last step sent, in its order
+    buckets = []
 
     def communicate(check_call=False):  # as the hook calls it after a bucket's first step
         works = [gradsync.all_reduce(b, codec="fp16", async_op=True, check_call=check_call) for b in buckets]
         for w in works:
             w.wait()
-    communicate(check_call=True)  # warm-up: workspaces, connections, and the calls' agreement once
 
     # One model at a time (memory); modes alternate over passes so that drifts hit all of them.
     samples = {mode: [] for mode in list(WIRE) + ["compute only (no_sync)", "communication only (gradsync fp16)"]}
@@ -169,6 +167,9 @@ def main():
                 samples["compute only (no_sync)"] += [timed(lambda: step(model, sync=False))
                                                       for _ in range(steps)]
             model = None  # one model in memory at a time
+        if not buckets:
+            buckets = [torch.randn(numel) for _, _, numel in sorted(TIMELINE.events)]
+            communicate(check_call=True)  # warm-up: workspaces, connections, and the calls' agreement once
         samples["communication only (gradsync fp16)"] += [timed(communicate) for _ in range(steps)]
     # each mode's median step on the slowest rank
     slowest = torch.tensor([statistics.median(s) for s in samples.values()], dtype=torch.float64)
@@ -194,6 +195,7 @@ def main():
         if args.json:
             common.write_json(args.json, title, rows, {"ranks": n, "params": numel, "overlap_hidden": hidden,
                                                        "timeline": timeline,
+                                                       "communication_only_buckets": [b.numel() for b in buckets],
                                                        "gradsync": gradsync.__version__, "torch": torch.__version__})
     gradsync.shutdown()
     dist.destroy_process_group()

@@ -105,7 +105,7 @@ def sci(v):
 
 
 KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "count", 12, fixed(0)),
-                  ("tensors", "tensors", 8, fixed(0)), ("size", "bytes_moved", 10, format_bytes),
+                  ("tensors", "tensors", 8, fixed(0)), ("moved", "bytes_moved", 10, format_bytes),
                   ("time(ms)", "time_ms", 11, fixed(3)), ("GB/s", "gbps", 9, fixed(1)), ("%copy", "pct_copy", 7, fixed(0)),
                   ("speedup", "speedup", 9, ratio), ("error", "error", 10, sci)]
 

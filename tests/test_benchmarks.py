@@ -73,6 +73,9 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     for r in report["rows"]:
         assert r["step_ms"] > 0 and r["mode"] in table, r
     assert "overlap timeline" in table
+    # "communication only" sends the buckets the hook sent, one call each, all the parameters
+    buckets = report["meta"]["communication_only_buckets"]
+    assert len(buckets) == report["meta"]["timeline"][1] and sum(buckets) == report["meta"]["params"]
 
 
 def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):

@@ -103,6 +103,9 @@ def test_report_bound_and_targets(tmp_path):
             report.rate_bps(bad)
     assert report.link_bound_s(4, 64e6, 1e9) == pytest.approx(1.5 * 64e6 * 8 / 1e9)
     assert report.link_bound_s(2, 1e6, 8e6) == pytest.approx(1.0)
+    assert report.link_bound_s(4, 64e6, 1e9, 500e3) == pytest.approx((1.5 * 64e6 - 500e3) * 8 / 1e9)  # less the bucket
+    # a bound met at 84.9 % is not met, and does not print as 85 %
+    assert report._bound_target({"gradsync fp16": {"pct_bound": 84.9}}, 85) == ("fp16 84.9 %", False)
     impls = {"torch fp32": (4, 1000.0), "gradsync none": (4, 1050.0), "gradsync fp16": (2, 500.0),
              "gradsync bf16": (2, 520.0), "gradsync fp8_e4m3": (1.03, 320.0), "gradsync fp8_e5m2": (1.03, 290.0)}
     rows = [{"bytes": 2**26, "impl": impl, "time_ms": ms, "wire_bytes": int(2**24 * w), "speedup": 1000.0 / ms}
