@@ -8,6 +8,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
+import numbers
 import os
 import sys
 import types
@@ -479,8 +481,10 @@ class DataParallel(torch.nn.Module, Joinable):
         broadcast_buffers = _check_flag(broadcast_buffers, "broadcast_buffers")
         find_unused_parameters = _check_flag(find_unused_parameters, "find_unused_parameters")
         gradient_as_bucket_view = _check_flag(gradient_as_bucket_view, "gradient_as_bucket_view")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
+            raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
+        if not 0 < bucket_cap_mb < math.inf:
+            raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
         lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
                 if torch.nn.parameter.is_lazy(t)]
         if lazy:
@@ -499,7 +503,7 @@ class DataParallel(torch.nn.Module, Joinable):
                              f"({', '.join(devices)}); move the module to one device first")
         self.module = module
         self.codec = codec
-        self.process_group = _resolve_group(process_group)
+        self.process_group = _resolve_group(process_group, "process_group")
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -809,11 +813,22 @@ class DataParallel(torch.nn.Module, Joinable):
                                "first, then wrap it")
         if swaps_allowed:
             return
-        raise RuntimeError("gradsync.DataParallel: the module's parameters were moved to another device, replaced "
-                           "or unfrozen after it was wrapped, and gradsync would not average them; move the module, "
-                           "load its weights and choose its trainable parameters first, then wrap it (buckets on "
-                           f"{self._device}). torch.func.functional_call swaps them too: call it under "
-                           "torch.no_grad(), or on model.module")
+        raise RuntimeError(f"gradsync.DataParallel: {self._first_change(params)} after the module was wrapped, and "
+                           "gradsync would not average it; move the module, load its weights and choose its trainable "
+                           "parameters first, then wrap it. torch.func.functional_call swaps parameters too: call it "
+                           "under torch.no_grad(), or on model.module")
+
+    def _first_change(self, params):
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for p in params:
+            name = names.get(id(p), "(unnamed)")
+            if p.device != self._device:
+                return f"parameter {name!r} is on {p.device}, its bucket on {self._device}"
+            if id(p) not in self._param_ids:
+                return f"parameter {name!r} was replaced (a new tensor, as load_state_dict(assign=True) makes)"
+            if p.requires_grad and id(p) not in self._trainable_ids:
+                return f"parameter {name!r} was unfrozen (requires_grad set)"
+        return "a parameter was removed from the module"
 
     @contextlib.contextmanager
     def no_sync(self):

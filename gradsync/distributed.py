@@ -191,16 +191,16 @@ def _overlap(a, b):
     return a.data_ptr() < b_end and b.data_ptr() < a_end
 
 
-def _resolve_group(group):
+def _resolve_group(group, name="group"):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradsync.all_reduce needs torch.distributed to be initialized "
                            "(torch.distributed.init_process_group)")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("group: this rank is not a member of the group")
+        raise ValueError(f"{name}: this rank is not a member of the group")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     return group
 
 

@@ -323,6 +323,8 @@ def groups_and_states_misuse(rank, size):
             hooks.GradSyncState(process_group=pair)
         with pytest.raises(ValueError, match="local_group: this rank is not a member of the group"):
             hooks.HierarchicalState(local_group=pair, cross_group=pair)
+        with pytest.raises(ValueError, match="process_group: this rank is not a member of the group"):
+            gradsync.DataParallel(make_net(), process_group=pair)  # refused before any collective
     else:
         kept = copy.copy(hooks.GradSyncState(process_group=pair, codec="bf16"))
         assert kept.process_group is pair and kept.codec == "bf16"
@@ -1440,8 +1442,8 @@ def data_parallel_steps(rank, size):
         plain.module.layers[3].weight.requires_grad_(True)
         out["frozen, first bucket issued in backward"] = issued == [1] and plain.module.layers[3].weight.grad is None
 
-        for change, words in (("unfrozen", "replaced or unfrozen after it was wrapped"),
-                              ("moved", "moved to another device")):
+        for change, words in (("unfrozen", "parameter 'layers.0.bias' was unfrozen"),
+                              ("moved", "parameter 'layers.0.weight' is on meta, its bucket on cpu")):
             module = Segments(False)
             module.layers[0].bias.requires_grad_(False)
             model = gradsync.DataParallel(module, codec="none", bucket_cap_mb=BUCKET_MB)
@@ -1616,6 +1618,12 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
      "'weight' is not initialized yet (a lazy module); run a forward pass"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=float("inf")), ValueError,
+     "bucket_cap_mb must be positive and finite, got inf"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="25"), TypeError,
+     "bucket_cap_mb must be a number of MiB, got str"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=True), TypeError,
+     "bucket_cap_mb must be a number of MiB, got bool"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2).double()), TypeError, "parameter 'weight' is torch.float64"),
     (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
      ValueError, "on several devices (cpu, meta)"),
@@ -1793,7 +1801,7 @@ def hooks_on_parameters_and_swapped_weights(rank, size):
         swapped = torch.func.functional_call(model, ema, (x,))
     plain = {name.removeprefix("module."): p for name, p in ema.items()}
     assert torch.equal(swapped, torch.func.functional_call(net, plain, (x,)))
-    with pytest.raises(RuntimeError, match="functional_call swaps them too"):
+    with pytest.raises(RuntimeError, match=r"parameter .* was replaced .*functional_call swaps parameters too"):
         torch.func.functional_call(model, ema, (x,))
     model(x).pow(2).sum().backward()  # the wrapper is intact
     return True
