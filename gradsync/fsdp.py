@@ -215,7 +215,7 @@ def _check_replica_group(found, group):
             for _, groups in found for g in groups]
     places = [None] * group.size()
     dist.all_gather_object(places, mine, group=group)
-    if group.size() == 1 and dist.get_world_size() > 1:
+    if group.size() == 1 and any(size is not None and size < dist.get_world_size() for _, size in mine):
         warnings.warn("gradsync.fsdp.compress_replica_all_reduce: the group has one rank, so nothing is all-reduced "
                       "across replicas; pass the replicas' group (mesh[\"replicate\"].get_group()), not the shard "
                       "group of a mesh whose shards have one rank", stacklevel=3)

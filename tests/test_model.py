@@ -405,14 +405,15 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
 
 
-
 @pytest.mark.parametrize("argv, says", [
     (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
     (["--kernels", "missing.json"], "--kernels missing.json does not exist"),
     (["--validate", "missing.json"], "--validate missing.json does not exist"),
-    (["--validate", "not_json.json"], "JSONDecodeError"),
-    (["--validate", KERNELS_JSON], "KeyError: 'ranks'"),  # a kernels run where a netem report belongs
+    # the measurement files named: an installed wheel has no benchmarks/results to default to
+    (["--validate", "not_json.json", "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON], "JSONDecodeError"),
+    (["--validate", KERNELS_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
+     "KeyError: 'ranks'"),  # a kernels run where a netem report belongs
 ])
 def test_the_command_line_refuses_bad_arguments_as_usage_errors(tmp_path, argv, says):
     (tmp_path / "not_json.json").write_text("size time\n")
