@@ -191,14 +191,20 @@ def _overlap(a, b):
     return a.data_ptr() < b_end and b.data_ptr() < a_end
 
 
+def _check_member(group, name):
+    """``dist.new_group`` gives a rank outside the group a placeholder, not a group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{name}: this rank is not a member of the group (dist.new_group gives the ranks outside it "
+                         "a placeholder)")
+
+
 def _resolve_group(group, name="group"):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradsync.all_reduce needs torch.distributed to be initialized "
                            "(torch.distributed.init_process_group)")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{name}: this rank is not a member of the group")
+    _check_member(group, name)
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     return group

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _check_scale, _resolve_group, all_reduce, reduce_scatter
+from .distributed import _check_flag, _check_member, _check_scale, _resolve_group, all_reduce, reduce_scatter
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -177,13 +177,6 @@ class GradSyncState:
 # the time): held weakly, so that a destroyed group, or the default group of an earlier
 # init_process_group, takes its residuals and its record of agreed buckets with it
 _default_states = weakref.WeakKeyDictionary()
-
-
-def _check_member(group, name):
-    """``dist.new_group`` gives a rank outside the group a placeholder, not a group."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{name}: this rank is not a member of the group (dist.new_group gives the ranks outside it "
-                         "a placeholder)")
 
 
 def _check_dense(buffer):
