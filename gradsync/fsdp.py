@@ -163,12 +163,16 @@ def _fsdp_modules(module: torch.nn.Module, caller: str):
     from torch.distributed.fsdp import FSDPModule
 
     found = []
-    for m in module.modules():
+    for name, m in module.named_modules():
         if isinstance(m, FSDPModule):
             state = m._get_fsdp_state()
             groups = getattr(state, "_fsdp_param_groups", None)
             if groups is None:  # torch releases with one parameter group per module
                 groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+            if len(groups) > 1:  # refused before any module is changed (FSDP2's setters would raise midway)
+                raise ValueError(f"gradsync.fsdp.{caller}: FSDP module {name or '(the module itself)'!r} has "
+                                 f"{len(groups)} parameter groups (a per-parameter mesh from shard_placement_fn), "
+                                 "which FSDP2 cannot give one custom reduce-scatter or all-reduce hook")
             if groups:
                 found.append((m, groups))
     if not found:

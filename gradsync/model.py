@@ -30,6 +30,7 @@ Pure Python: importing it does not import torch.
 """
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -577,7 +578,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
             lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients in {bucket_mb} MB buckets; "
                       "ms per step (speedup vs torch fp32)", head]
             for n, link in TOPOLOGIES:
-                times = {i: step_time(params, n, link, kernels, NCCL_FP32 if i == TORCH else i, bucket_mb * 2**20)
+                times = {i: step_time(params, n, link, kernels, NCCL_FP32 if i == TORCH else i, int(bucket_mb * 2**20))
                          for i in IMPLS}
                 cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
                 lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
@@ -664,7 +665,7 @@ def hierarchical_table(kernels, bucket_mb):
         if n <= GPUS_PER_NODE:
             continue
         for model, params in MODELS:
-            times = [step_time(params, n, link, kernels, i, bucket_mb * 2**20) for i in impls]
+            times = [step_time(params, n, link, kernels, i, int(bucket_mb * 2**20)) for i in impls]
             lines.append(f"{n:>5} {link.name:<20} {model:<11}" +
                          "".join(f"{t * 1e3:>9.1f} ({times[0] / t:.1f}x)" for t in times))
     return lines
@@ -692,11 +693,14 @@ def validation_table(rows):
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 
 
-def _positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of MB, got {value}")
-    return value
+def _positive_mb(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MB, got {text}")
+    return int(value) if value.is_integer() else value
 
 
 def _load_json(path):
@@ -714,7 +718,7 @@ def main():
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
     parser.add_argument("--latencies-from", help="another netem report JSON whose latency-bound rows give the hop "
                         "latencies (held out: no row's own time in its prediction)")
-    parser.add_argument("--bucket-mb", type=_positive_int, nargs="+", default=[25, 256])
+    parser.add_argument("--bucket-mb", type=_positive_mb, nargs="+", default=[25, 256])
     parser.add_argument("--gpu-kernels", help="a CUDA bench_kernels.py JSON (benchmarks/gpu_suite.sh writes one): "
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")

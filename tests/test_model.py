@@ -257,6 +257,9 @@ def test_the_tables_print_from_any_folder(tmp_path):
         assert "CPU, 1 thread, measured" in out.stdout and "no CPU kernel costs" not in out.stdout
     else:
         assert "no CPU kernel costs" in out.stdout and "CPU, 1 thread, measured" not in out.stdout
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--bucket-mb", "2.5", "25"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)  # a bucket of any size, as DDP's bucket_cap_mb
+    assert out.returncode == 0 and "in 2.5 MB buckets" in out.stdout and "in 25 MB buckets" in out.stdout, out.stderr
 
 
 def test_the_tables_print():
@@ -408,6 +411,8 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
+    (["--bucket-mb", "nan"], "--bucket-mb: must be a positive number of MB, got nan"),
+    (["--bucket-mb", "25MB"], "--bucket-mb: must be a positive number of MB, got 25MB"),
     (["--kernels", "missing.json"], "--kernels missing.json does not exist"),
     (["--validate", "missing.json"], "--validate missing.json does not exist"),
     # the measurement files named: an installed wheel has no benchmarks/results to default to

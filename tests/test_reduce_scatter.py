@@ -564,6 +564,27 @@ def fsdp_setup_corners(rank, size):
     assert not group.reduce_scatter_unused_params
     with pytest.warns(UserWarning, match="the group has one rank, so nothing is all-reduced across replicas"):
         fsdp.compress_replica_all_reduce(model, replicas["shard"].get_group())
+
+    try:  # a per-parameter mesh: the biases on a mesh of their own, a second parameter group
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    except ImportError:
+        return steps
+    from torch.distributed.tensor import Shard
+    own = FSDPMeshInfo(replicas, shard_mesh_dim=1)
+    model = torch.nn.Sequential(TwoHeads())
+    fully_shard(model[0], mesh=mesh,
+                shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), own) if p.ndim == 1 else None)
+    fully_shard(model, mesh=mesh)
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+    before = [(g.reduce_scatter_unused_params, g._reduce_scatter_comm, g._all_reduce_hook) for g in groups]
+    for compress in (lambda: fsdp.compress_reduce_scatter(model, "bf16", error_feedback=True),
+                     lambda: fsdp.compress_replica_all_reduce(model, replicas["replicate"].get_group(),
+                                                              error_feedback=True)):
+        with pytest.raises(ValueError, match="FSDP module '0' has 2 parameter groups"):
+            compress()
+    assert len(groups) == 2 and before == [(g.reduce_scatter_unused_params, g._reduce_scatter_comm, g._all_reduce_hook)
+                                           for g in groups], "a refused call changed the model"
     return steps
 
 
