@@ -515,6 +515,7 @@ class DataParallel(torch.nn.Module, Joinable):
             bucket_bytes_cap=max(int(bucket_cap_mb * 2**20), dist._DEFAULT_FIRST_BUCKET_BYTES))
         self._outer_ddp_module = None  # what the wrapped forward's hint replaced
         self._param_ids = {id(p) for p in module.parameters()}
+        self._param_names = {name for name, _ in module.named_parameters()}
         self._trainable_ids = {id(p) for p in params}
         # the fast walk, unless the module's class lists its parameters or buffers its own way
         self._walk_members = [[id(t) for t in ts] for ts in _members(module)] == \
@@ -824,6 +825,8 @@ class DataParallel(torch.nn.Module, Joinable):
             name = names.get(id(p), "(unnamed)")
             if p.device != self._device:
                 return f"parameter {name!r} is on {p.device}, its bucket on {self._device}"
+            if id(p) not in self._param_ids and name not in self._param_names:
+                return f"parameter {name!r} was added"
             if id(p) not in self._param_ids:
                 return f"parameter {name!r} was replaced (a new tensor, as load_state_dict(assign=True) makes)"
             if p.requires_grad and id(p) not in self._trainable_ids:

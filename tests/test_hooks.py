@@ -1443,14 +1443,20 @@ def data_parallel_steps(rank, size):
         out["frozen, first bucket issued in backward"] = issued == [1] and plain.module.layers[3].weight.grad is None
 
         for change, words in (("unfrozen", "parameter 'layers.0.bias' was unfrozen"),
-                              ("moved", "parameter 'layers.0.weight' is on meta, its bucket on cpu")):
+                              ("moved", "parameter 'layers.0.weight' is on meta, its bucket on cpu"),
+                              ("replaced", "parameter 'layers.1.bias' was replaced"),
+                              ("added", "parameter 'scale' was added")):
             module = Segments(False)
             module.layers[0].bias.requires_grad_(False)
             model = gradsync.DataParallel(module, codec="none", bucket_cap_mb=BUCKET_MB)
             if change == "unfrozen":
                 module.layers[0].bias.requires_grad_(True)
-            else:
+            elif change == "moved":
                 model.to("meta")  # replaces the parameters
+            elif change == "replaced":
+                module.layers[1].bias = torch.nn.Parameter(module.layers[1].bias.detach().clone())
+            else:
+                module.scale = torch.nn.Parameter(torch.ones(()))
             with pytest.raises(RuntimeError, match=words):
                 model(x.detach())
             out[change] = "refused"
@@ -1535,6 +1541,7 @@ def test_data_parallel_at_the_edges_of_a_step(worlds):
     assert out["no_sync around the forward"] == 0 and out["no_sync around the backward"] == buckets
     assert out["frozen"][0]
     assert out["frozen, first bucket issued in backward"]
+    assert all(out[change] == "refused" for change in ("unfrozen", "moved", "replaced", "added"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16_model", "fp16_model"])
