@@ -444,18 +444,19 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
 def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
                          codec: str, check_call: bool = True, residual: Optional[torch.Tensor] = None
                          ) -> torch.futures.Future[torch.Tensor]:
-    """:func:`hierarchical_hook`'s average of a contiguous tensor, in place; returns a future of it at
-    once. ``residual``: error feedback of the all-reduce across the nodes, a float32 tensor of
-    ceil(numel / local_group.size()) elements."""
+    """:func:`hierarchical_hook`'s average of a tensor of any shape, in place (a strided one through a
+    contiguous copy); returns a future of it at once. ``residual``: error feedback of the all-reduce
+    across the nodes, a float32 tensor of ceil(numel / local_group.size()) elements."""
     _check_two_groups(local_group, cross_group)
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-        raise ValueError("hierarchical_average: tensor must be a contiguous torch.Tensor")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     per_node = local_group.size()
     shard_numel = -(-tensor.numel() // per_node)
-    flat = tensor.view(-1)  # any shape: the shards are chunks of its elements
+    flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
     padded = flat if shard_numel * per_node == flat.numel() else \
         torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])
     shard = tensor.new_empty(shard_numel)
+    made_here = [shard] + ([flat] if not tensor.is_contiguous() else []) + ([padded] if padded is not flat else [])
 
     def across_and_gather(fut):  # on gradsync's thread of the node's group
         fut.value()  # raises the reduce-scatter's error, if any
@@ -463,11 +464,12 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         _all_gather_tensor(padded, shard, group=local_group)
         if padded is not flat:
             flat.copy_(padded[:flat.numel()])
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
         if tensor.is_cuda:  # allocated on the caller's stream, last used on this one
             stream = torch.cuda.current_stream(tensor.device)
-            shard.record_stream(stream)
-            if padded is not flat:
-                padded.record_stream(stream)
+            for made in made_here:
+                made.record_stream(stream)
         return tensor
 
     scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
