@@ -503,7 +503,7 @@ class DataParallel(torch.nn.Module, Joinable):
                              f"({', '.join(devices)}); move the module to one device first")
         self.module = module
         self.codec = codec
-        self.process_group = _resolve_group(process_group, "process_group")
+        self.process_group = _resolve_group(process_group, "process_group", caller="DataParallel")
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view

@@ -41,8 +41,11 @@ order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
 _engines = {}
+_FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 _stopping = {}  # group -> its engine, while shutdown() waits for its calls
 _engines_lock = threading.Lock()
+_stopped = threading.Condition(_engines_lock)  # notified as shutdown() lets go of each group, and at its end
+_shutdowns = 0  # shutdown() calls running
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 _sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
@@ -141,7 +144,8 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
         return _in_float32(target, "the op's factor"), 1.0
     if postscale is None:
         prescale = _check_scale(prescale, "prescale")
-        return _in_float32(prescale, "prescale"), _in_float32(target / prescale, "the postscale it leaves")
+        postscale = _in_float32(target / prescale, "the postscale it leaves")
+        return _in_float32(prescale, "prescale"), postscale
     postscale = _check_scale(postscale, "postscale")
     if prescale is None:
         return _in_float32(target / postscale, "the prescale it leaves"), _in_float32(postscale, "postscale")
@@ -153,14 +157,15 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
 
 
 def _in_float32(value, name):
-    """A factor the kernels apply in float32: it must stay finite and non-zero there."""
+    """A factor the kernels apply in float32: it must stay finite and non-zero there, and normal (a
+    subnormal factor keeps few bits of what it multiplies)."""
     try:
         narrowed = struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         narrowed = math.inf
-    if not math.isfinite(narrowed) or narrowed == 0:
-        raise ValueError(f"{name} must be a finite, non-zero float32, as gradsync applies it in float32: "
-                         f"{value!r} is {narrowed} there")
+    if not math.isfinite(narrowed) or abs(narrowed) < _FLOAT32_TINY:
+        raise ValueError(f"{name} must be a finite, non-zero float32 of at least 2**-126 in magnitude, as gradsync "
+                         f"applies it in float32: {value!r} is {narrowed} there")
     return value
 
 
@@ -198,9 +203,9 @@ def _check_member(group, name):
                          "a placeholder)")
 
 
-def _resolve_group(group, name="group"):
+def _resolve_group(group, name="group", caller="all_reduce"):
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("gradsync.all_reduce needs torch.distributed to be initialized "
+        raise RuntimeError(f"gradsync.{caller} needs torch.distributed to be initialized "
                            "(torch.distributed.init_process_group)")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
@@ -230,9 +235,17 @@ def _engine(group, tensor):
                 _sequences.pop(g, None)
         if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
             raise RuntimeError(_broken[group])
-        if engine is None and group in _stopping:  # ... as they would the calls the old engine is finishing
-            raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile (from "
-                               "another thread, or a callback) would start a second engine on the group")
+        if engine is None and group in _stopping and _C._on_engine_thread():  # shutdown() waits for this thread
+            raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile from a "
+                               "callback would start a second engine on the group")
+        # ... as they would the calls the old engine is finishing: a call from another thread waits for
+        # shutdown() (its peers' turn for it comes after those calls), which takes as long as they do
+        # (the group's timeout at most)
+        while engine is None and (group in _stopping or _shutdowns) and not _C._on_engine_thread():
+            _stopped.wait()
+            engine = _engines.get(group)
+        if engine is None and group in _broken:
+            raise RuntimeError(_broken[group])
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if _group_is_live(group):
@@ -344,10 +357,24 @@ def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
     """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
     any factor (gradsync.DataParallel averages over the ranks still training under ``join()``)."""
     _check_not_capturing(tensor, "all_reduce")
-    engine = _engine(group, tensor)
-    work = engine.all_reduce(tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
-                             _slice_bytes(engine, tensor), residual, DIRECT_BYTES)
+    work = _submit(group, tensor, lambda engine: engine.all_reduce(
+        tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, tensor), residual,
+        DIRECT_BYTES))
     return AllReduceWork(work, tensor)
+
+
+def _submit(group, tensor, call):
+    """``call(engine)`` on the group's engine. One that shutdown() stopped between being found and
+    being given the call took nothing: the call goes to the group's next engine, in its turn."""
+    while True:
+        engine = _engine(group, tensor)
+        try:
+            return call(engine)
+        except RuntimeError:
+            with _engines_lock:
+                stopped_meanwhile = _engines.get(group) is not engine
+            if not stopped_meanwhile:
+                raise
 
 
 @contextlib.contextmanager
@@ -387,8 +414,8 @@ def _refuse(group, tensor, check_call, scatter, error):
             checked = _check_flag(check_call, "check_call")
         except TypeError:  # what the peers most likely pass: the default
             checked = True
-        engine = _engine(group, placeholder)
-        engine.refuse(placeholder, scatter, checked, _slice_bytes(engine, placeholder), f"{type(error).__name__}: {error}")
+        _submit(group, placeholder, lambda engine: engine.refuse(
+            placeholder, scatter, checked, _slice_bytes(engine, placeholder), f"{type(error).__name__}: {error}"))
     except Exception:  # the peers cannot be told: they wait for this rank until the group's timeout
         pass
 
@@ -451,7 +478,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
                              f"{input.device}) must have one dtype and device")
         _check_codec(codec)
         async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
-        group = _resolve_group(group)
+        group = _resolve_group(group, caller="reduce_scatter")
         _check_waitable(group, async_op, "reduce_scatter")
         n, rank = group.size(), group.rank()
         if input.numel() != n * output.numel():
@@ -467,9 +494,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
         _check_nccl_device(input, group)
         prescale, postscale = resolve_scales(op, n, prescale, postscale)
         _check_not_capturing(input, "reduce_scatter")
-    engine = _engine(group, input)
-    work = engine.reduce_scatter(output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call),
-                                 _slice_bytes(engine, input), residual)
+    work = _submit(group, input, lambda engine: engine.reduce_scatter(
+        output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual))
     handle = AllReduceWork(work, output)
     if async_op:
         return handle
@@ -496,11 +522,25 @@ def shutdown():
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit. A group that
     torch.distributed has already destroyed is left to the process's exit rather than torn down here,
     since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
-    left unusable stays so: later calls on it raise, as they did before.
+    left unusable stays so: later calls on it raise, as they did before. A call issued meanwhile
+    from another thread waits for it, then starts a new engine and takes its turn after the calls
+    shutdown() finished; one issued from a callback on gradsync's thread raises.
     """
     if _C._on_engine_thread():  # it would wait for the very call whose callback is running
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
                            "all-reduce's future); call it from the thread that issued the calls")
+    global _shutdowns
+    with _engines_lock:
+        _shutdowns += 1
+    try:
+        _stop_every_engine()
+    finally:
+        with _engines_lock:
+            _shutdowns -= 1
+            _stopped.notify_all()
+
+
+def _stop_every_engine():
     while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
         with _engines_lock:
             if not _engines:
@@ -515,6 +555,7 @@ def shutdown():
                     _broken[group] = engine.broken
                 _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
                 del _stopping[group]
+                _stopped.notify_all()
         if not _group_is_live(group):
             engine.abandon_group()
 
@@ -524,7 +565,7 @@ def _forget_engines_in_forked_child():
     would wait for its thread forever, at exit too. The child leaves them alone; its first
     all-reduce on a group of one rank starts an engine of its own, and calls on the inherited groups
     of several ranks raise. (All-reduces issued before the fork do not complete in the child.)"""
-    global _engines_lock, _attach_locks
+    global _engines_lock, _stopped, _attach_locks, _shutdowns
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive
@@ -536,6 +577,8 @@ def _forget_engines_in_forked_child():
     _stopping.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread
     _engines_lock, _attach_locks = threading.Lock(), weakref.WeakKeyDictionary()
+    _stopped = threading.Condition(_engines_lock)
+    _shutdowns = 0  # one running in another thread of the parent
 
 
 atexit.register(shutdown)

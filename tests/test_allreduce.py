@@ -822,6 +822,40 @@ def test_a_call_while_shutdown_finishes_the_groups_calls_raises(worlds):
     assert x == y == [2.0] * 4
 
 
+def call_from_a_thread_while_shutting_down(rank, size):
+    """Rank 0's shutdown() finishes a call that waits for rank 1 while rank 0 issues its next call
+    from another thread: that call waits for shutdown(), then pairs with rank 1's next call."""
+    sums = []
+    if rank == 0:
+        first = torch.full((4,), 1.0)
+        work = gradsync.all_reduce(first, op="sum", async_op=True)
+        stopper = threading.Thread(target=gradsync.shutdown)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while not gradsync.distributed._stopping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        dist.barrier()  # rank 1 makes its first call half a second later: shutdown() is still waiting
+        for value in (20.0, 300.0):
+            x = torch.full((4,), value)
+            gradsync.all_reduce(x, op="sum")
+            sums.append(x[0].item())
+        stopper.join(30)
+        work.wait()
+        sums.insert(0, first[0].item())
+    else:
+        dist.barrier()
+        time.sleep(0.5)
+        for value in (2.0, 40.0, 600.0):
+            x = torch.full((4,), value)
+            gradsync.all_reduce(x, op="sum")
+            sums.append(x[0].item())
+    return sums
+
+
+def test_a_call_from_another_thread_while_shutdown_runs_waits_and_takes_its_turn(worlds):
+    assert worlds(2).run(call_from_a_thread_while_shutting_down) == [[3.0, 60.0, 900.0]] * 2
+
+
 def test_shutdown_in_a_callback_raises(worlds):
     (seen, x), (_, y) = worlds(2).run(shutdown_in_a_callback)
     assert len(seen) == 1 and "cannot run on gradsync's communication thread" in seen[0], seen
@@ -1039,6 +1073,11 @@ def test_scales():
             resolve_scales("sum", 4, **kwargs)
     with pytest.raises(ValueError, match="the postscale it leaves must be a finite, non-zero float32"):
         resolve_scales("sum", 4, prescale=1e-40)
+    # ... and normal: a subnormal factor keeps few bits (2**-127 times 1e-3 is 24 bits short)
+    for kwargs in (dict(prescale=2.0**-127), dict(postscale=-(2.0**-130)), dict(prescale=2.0**127)):
+        with pytest.raises(ValueError, match="float32 of at least 2\\*\\*-126 in magnitude"):
+            resolve_scales("sum", 4, **kwargs)
+    assert resolve_scales("sum", 4, prescale=2.0**-126) == (2.0**-126, 2.0**126)
     assert resolve_scales("sum", 4, prescale=2.0**-100) == (2.0**-100, 2.0**100)
 
 
@@ -1048,6 +1087,8 @@ def test_scales():
     (lambda: gradsync.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor"),
     (lambda: gradsync.all_reduce(torch.randn(4), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.all_reduce(torch.randn(4)), RuntimeError, "torch.distributed to be initialized"),
+    (lambda: gradsync.reduce_scatter(torch.randn(2), torch.randn(4)), RuntimeError,
+     "gradsync.reduce_scatter needs torch.distributed to be initialized"),
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(4, dtype=torch.float16)), ValueError,
      "residual must be a contiguous float32"),
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(5)), ValueError, "residual must match"),
