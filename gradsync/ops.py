@@ -116,9 +116,11 @@ def _check_float_dtype(dtype, name):
 
 def _check_scale(scale, name="scale"):
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
-    if _compiling():  # a traced scale may be symbolic
-        return scale
+        traced = " (torch.compile traces a numpy scalar as an array: pass float(scale))" \
+            if _compiling() and type(scale).__name__ == "ndarray" else ""
+        raise TypeError(f"{name} must be a real number, got {type(scale).__name__}{traced}")
+    if _compiling():  # a traced scale may be symbolic; a constant integer is rounded once, as in eager
+        return _float32_int(scale) if type(scale) is int else scale
     try:  # the kernels apply it in float32: it must be finite there too
         value = _float32_int(scale) if isinstance(scale, numbers.Integral) else float(scale)
         struct.pack("<f", value)  # raises where rounding to float32 overflows
@@ -349,6 +351,20 @@ def _check_writable(t, name):
         raise ValueError(f"{name} is an inference tensor, which can be written only inside torch.inference_mode()")
 
 
+def _fresh_under_compile(targets):
+    """What a kernel writes for ``targets``: the targets themselves, or under torch.compile fresh
+    tensors that :func:`_copy_back` then copies into them. Inductor moves reads made before a custom
+    op's write of a tensor to after it (``y = buf * 2; flatten([y], out=buf); buf + y`` then reads
+    the new buf), where it keeps an explicit copy_ in order."""
+    return [torch.empty_like(t) for t in targets] if _compiling() else targets
+
+
+def _copy_back(written, targets):
+    for fresh, target in zip(written, targets):
+        if fresh is not target:
+            target.copy_(fresh)
+
+
 def _mark_written(tensors):
     # bumps the version counters, as an in-place torch op does, so that autograd sees a tensor it
     # saved for backward was overwritten (a compiled graph's functionalized writes need no bump)
@@ -403,13 +419,15 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     if out is None:
         if not tensors:
             raise ValueError("tensors is empty: pass out= to say which device to use")
-        out = torch.empty(numel, dtype=dtype, device=tensors[0].device)
+        written = out = torch.empty(numel, dtype=dtype, device=tensors[0].device)
     else:
         _check_out(out, numel, dtype, tensors[0].device if tensors else out.device)
         _check_writable(out, "out")
         if not plain:
             _check_segments(tensors, "tensors", out, "out")
-    _KERNELS.flatten_into.default(tensors, out, scale)
+        [written] = _fresh_under_compile([out])
+    _KERNELS.flatten_into.default(tensors, written, scale)
+    _copy_back([written], [out])
     _mark_written(out)
     return out
 
@@ -442,7 +460,9 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
                 _check_own_elements(t, f"tensors[{i}]")
             _check_writable(t, f"tensors[{i}]")
         _check_destinations(flat[:numel], tensors)
-    _KERNELS.unflatten_from.default(flat, tensors, scale)
+    written = _fresh_under_compile(tensors)
+    _KERNELS.unflatten_from.default(flat, written, scale)
+    _copy_back(written, tensors)
     _mark_written(tensors)
 
 
@@ -487,16 +507,18 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
     dtype = _payload_dtype(codec, x.dtype)
     length = x.numel() if codec == "none" or codec in _CAST_DTYPES else payload_nbytes(codec, x.numel())
     if out is None:
-        out = torch.empty(length, dtype=dtype, device=x.device)
+        written = out = torch.empty(length, dtype=dtype, device=x.device)
     else:
         _check_out(out, length, dtype, x.device)
         _check_writable(out, "out")
         _check_segments([x], "x", out, "out", one=True)
+        [written] = _fresh_under_compile([out])
     if codec == "none" or codec in _CAST_DTYPES:
-        _KERNELS.flatten_into.default([x], out, scale)
+        _KERNELS.flatten_into.default([x], written, scale)
     else:
         _check_fp8_payload_alignment(out, "out")
-        _KERNELS.fp8_encode.default(x.contiguous().view(-1), out, _CODEC_IDS[codec], scale)
+        _KERNELS.fp8_encode.default(x.contiguous().view(-1), written, _CODEC_IDS[codec], scale)
+    _copy_back([written], [out])
     _mark_written(out)
     return out
 
@@ -526,15 +548,17 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
         raise ValueError(f"payload has {payload.numel()} bytes but a {codec} payload of {numel} elements "
                          f"has {payload_nbytes(codec, numel)}")
     if out is None:
-        out = torch.empty(numel, dtype=dtype, device=payload.device)
+        written = out = torch.empty(numel, dtype=dtype, device=payload.device)
     else:
         _check_out(out, numel, dtype, payload.device)
         _check_writable(out, "out")
         _check_segments([payload], "payload", out, "out", one=True)
+        [written] = _fresh_under_compile([out])
     if wire_numel is not None:
-        _KERNELS.unflatten_from.default(payload.view(-1), [out], scale)
+        _KERNELS.unflatten_from.default(payload.view(-1), [written], scale)
     else:
         _check_fp8_payload_alignment(payload, "payload")
-        _KERNELS.fp8_decode.default(payload.view(-1), out, _CODEC_IDS[codec], scale)
+        _KERNELS.fp8_decode.default(payload.view(-1), written, _CODEC_IDS[codec], scale)
+    _copy_back([written], [out])
     _mark_written(out)
     return out

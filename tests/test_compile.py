@@ -112,6 +112,44 @@ def test_compiled_out_arguments_write_the_callers_tensors():
         assert same_bits(payload, gradsync.compress(flat, "fp8_e5m2"))
 
 
+def read_before_written(buf, payload, out, codec):
+    """Values computed from each written tensor before the write, read again after it."""
+    y = buf * 2
+    gradsync.flatten([y], out=buf)
+    z = buf * 3
+    gradsync.unflatten(z, [buf])
+    w = buf + 1
+    gradsync.compress(w, codec, out=payload)
+    v = out * 5
+    gradsync.decompress(payload, codec, out.numel(), out=out)
+    return y + buf, z - buf, w + buf, v + out
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8_e4m3"])
+def test_compiled_writes_come_after_the_reads_made_before_them(codec):
+    # Inductor reorders reads made before a custom operator's write of a tensor to after it (y read
+    # the new buf); gradsync writes fresh tensors under torch.compile and copies them in
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(15)
+    args = [torch.randn(300, generator=g), None, torch.randn(300, generator=g)]
+    args[1] = gradsync.compress(torch.randn(300, generator=g), codec)
+    eager_args = [t.clone() for t in args]
+    compiled = torch.compile(read_before_written, backend="inductor", fullgraph=True)
+    for got, expected in zip(compiled(*args, codec), read_before_written(*eager_args, codec)):
+        assert same_bits(got, expected), codec
+    for a, b in zip(args, eager_args):
+        assert same_bits(a, b), codec
+
+
+def test_compiled_integer_scales_round_once_as_eager_ones():
+    torch._dynamo.reset()
+    scale = 2**60 + 2**36 + 1  # float() first, then float32, would round it down to 2**60
+    compiled = torch.compile(lambda t, s: gradsync.flatten([t], scale=s), backend="aot_eager", fullgraph=True)
+    x = torch.ones(4)
+    assert same_bits(compiled(x, scale), gradsync.flatten([x], scale=scale))
+    assert same_bits(compiled(x, scale), x * scale)
+
+
 def test_compiled_calls_resolve_negative_views():
     # eager refuses them (the kernels would drop the sign); torch.compile hands the kernels plain tensors
     torch._dynamo.reset()
