@@ -325,9 +325,10 @@ def _check_segments(tensors, name, buf, buf_name, one=False):
             if (start < hi and lo < end and t.device == buf.device
                     and not (t.dtype == buf.dtype and start == lo + offset * buf.element_size() and t.is_contiguous())
                     and _shares(spans[-1], (lo, hi, -1, buf), label := name if one else f"{name}[{i}]", buf_name)):
-                raise ValueError(f"{label} shares memory with {buf_name} other than as its own segment "
-                                 f"({buf_name}[{offset}:{offset + numel}]) of the same dtype: the result would depend "
-                                 "on the order of the kernel's reads and writes; clone() it first")
+                where = "" if one and t.dtype != buf.dtype else \
+                    f" other than as its own segment ({buf_name}[{offset}:{offset + numel}]) of the same dtype"
+                raise ValueError(f"{label} shares memory with {buf_name}{where}: the result would depend on the order "
+                                 "of the kernel's reads and writes; clone() it first")
         offset += numel
     return spans
 

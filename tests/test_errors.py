@@ -158,10 +158,11 @@ def _overlapping_calls():
         (lambda: gradsync.unflatten(torch.randn(8), [a[:4], a[2:6]]), "tensors[0] and tensors[1] share memory"),
         (lambda: gradsync.unflatten(torch.randn(20), [a, a]), "tensors[0] and tensors[1] share memory"),
         (lambda: gradsync.compress(a[1:], "none", out=a[:9]), "x shares memory with out"),
-        (lambda: gradsync.compress(a[:8], "fp8_e4m3", out=a.view(torch.uint8)[:20]), "x shares memory with out"),
+        (lambda: gradsync.compress(a[:8], "fp8_e4m3", out=a.view(torch.uint8)[:20]),
+         "x shares memory with out: the result"),  # a payload and its values never share a dtype: no own segment
         (lambda: gradsync.decompress(h[:5], "fp16", 5, dtype=torch.float16, out=h[5:]), None),
         (lambda: gradsync.decompress(u8[:20], "fp8_e4m3", 10, out=u8[4:44].view(torch.float32)),
-         "payload shares memory with out"),
+         "payload shares memory with out: the result"),
         (lambda: gradsync.decompress(h[:4], "fp16", 4, out=h[:8].view(torch.float32)), "payload shares memory with out"),
         # strided tensors whose address ranges meet are compared element by element
         (lambda: gradsync.unflatten(torch.randn(10), [m[:, 0], m[:, 1]]), None),
