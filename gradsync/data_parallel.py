@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from .distributed import _check_flag, _issue, _resolve_group
+from .distributed import _check_flag, _issue, _refusal, _resolve_group
 from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
 
 __all__ = ["DataParallel"]
@@ -414,7 +414,8 @@ class DataParallel(torch.nn.Module, Joinable):
       run before gradsync reads the gradient, as they do before DDP's reducer, also when registered
       after wrapping (from the next forward on).
     - A step whose backward raised is abandoned at the next forward or backward (its calls are
-      waited for).
+      waited for; the buckets it had not sent take their turn as refused calls, so that peers
+      whose backward did not raise fail rather than pair those calls with its next step's).
     - ``with model.join():`` trains on uneven inputs, as DDP's ``join()`` does (it is a
       ``torch.distributed.algorithms.join.Joinable``, so ``Join([model, ...])`` works too): a
       rank that has run out of batches shadows the others' buffer broadcasts and all-reduces,
@@ -1027,7 +1028,26 @@ class DataParallel(torch.nn.Module, Joinable):
         accumulated counts as used at the next synchronized step, unless its gradient was set to None
         since (the batch skipped). The residuals of its calls are not restored: error feedback drops
         that step's old error. Gradients that are views of a bucket whose call ran are zeroed: the
-        call wrote into them, while the backward or the caller may have written too."""
+        call wrote into them, while the backward or the caller may have written too.
+
+        The buckets this rank had not sent take their turn as refused calls: peers whose backward
+        reached its end sent them, and would otherwise pair those calls with this rank's next step's.
+        At a bucket's first call, which every rank checks, the peers then raise naming this rank;
+        later calls are not checked, and the peers fail at the group's timeout instead of summing
+        another step. Where every rank's backward raised alike, every rank refuses the same buckets
+        and none waits."""
+        refusals = []
+        for k, bucket in enumerate(self._buckets):
+            if bucket.work is None and self._in_backward:
+                with contextlib.suppress(Exception):
+                    refusals.append(_refusal(self.process_group, bucket.buffer, True, False,
+                                             f"gradsync.DataParallel: rank {self.process_group.rank()}'s backward "
+                                             f"ended before it sent bucket {k} of the step (it raised there), and "
+                                             "the step is abandoned"))
+        for refusal in refusals:
+            with contextlib.suppress(Exception):  # it raises by design
+                if refusal is not None:
+                    refusal.wait()
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):

@@ -391,33 +391,40 @@ def _refused_on_error(group, tensor, check_call, scatter):
 
 def _refuse(group, tensor, check_call, scatter, error):
     try:
-        group = _resolve_group(group)
-        if group.size() == 1:
-            return
-        engine = _engines.get(group)
-        cuda_tensor = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
-        if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
-            if engine is not None and engine.nccl_device >= 0:
-                device = torch.device("cuda", engine.nccl_device)
-            else:  # joined here: on the refused call's GPU, as its peers join on theirs
-                device = tensor.device if cuda_tensor else torch.device("cuda", torch.cuda.current_device())
-        elif cuda_tensor:
-            device = tensor.device
-        else:
-            device = torch.device("cpu")
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return
-        placeholder = torch.empty(0, dtype=torch.float32, device=device)
         try:
             checked = _check_flag(check_call, "check_call")
         except TypeError:  # what the peers most likely pass: the default
             checked = True
-        _submit(group, placeholder, lambda engine: engine.refuse(
-            placeholder, scatter, checked, _slice_bytes(engine, placeholder), f"{type(error).__name__}: {error}"))
+        _refusal(group, tensor, checked, scatter, f"{type(error).__name__}: {error}")
     except Exception:  # the peers cannot be told: they wait for this rank until the group's timeout
         pass
+
+
+def _refusal(group, tensor, checked, scatter, why):
+    """This rank's turn in a call it does not make: with ``checked``, the peers' agreement check
+    raises ``why`` on every rank; without, this rank's ring becomes unusable (its peers, already in
+    the ring, time out). Returns the call's handle, whose wait() raises ``why`` (None on one rank)."""
+    group = _resolve_group(group)
+    if group.size() == 1:
+        return None
+    engine = _engines.get(group)
+    cuda_tensor = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
+    if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
+        if engine is not None and engine.nccl_device >= 0:
+            device = torch.device("cuda", engine.nccl_device)
+        else:  # joined here: on the refused call's GPU, as its peers join on theirs
+            device = tensor.device if cuda_tensor else torch.device("cuda", torch.cuda.current_device())
+    elif cuda_tensor:
+        device = tensor.device
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return None
+    placeholder = torch.empty(0, dtype=torch.float32, device=device)
+    return AllReduceWork(_submit(group, placeholder, lambda engine: engine.refuse(
+        placeholder, scatter, checked, _slice_bytes(engine, placeholder), why)), placeholder)
 
 
 def _check_tensor(t, name, caller):

@@ -1533,6 +1533,43 @@ def test_data_parallel_averages_a_layer_shared_by_reentrant_checkpoints_or_raise
         assert error is not None and "'shared." in error and "use_reentrant=False" in error, error
 
 
+def a_backward_that_raises_on_one_rank(rank, size, first):
+    """Rank 1's backward raises after some buckets went out (in the step that checks each bucket's
+    call, or in a later one), and it trains on; rank 0's backward completes."""
+    segments = Segments(False)
+    model = gradsync.DataParallel(segments, codec="none", bucket_cap_mb=0.001)
+    assert len(model.buckets) == 4
+    out = []
+    for step in range(3 if first else 4):
+        segments.fail = rank == 1 and step == (0 if first else 1)
+        model.zero_grad()
+        try:
+            model(batch(rank, step)[0])["loss"].backward()
+            out.append(digest(torch.cat([p.grad.flatten() for p in segments.parameters()])))
+        except Exception as error:  # noqa: B902 - what each step ended with
+            out.append(f"{type(error).__name__}: {error}")
+    return out
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["checked_step", "later_step"])
+def test_a_backward_that_raises_on_one_rank_takes_its_buckets_turns(first):
+    # the buckets rank 1 did not send take their turn as refused calls: at a checked step rank 0 raises
+    # naming rank 1, and both then train on; later, rank 0 fails at the group's timeout, and rank 1's
+    # next step raises; before, rank 1's next step was summed with rank 0's failed one, silently
+    world = World(2, group_timeout_s=5)
+    try:
+        (zero, one) = world.run(a_backward_that_raises_on_one_rank, first)
+    finally:
+        world.close()
+    if first:
+        assert "group rank(s) 1 could not prepare the call" in zero[0], zero
+        assert "backward failed" in one[0], one
+        assert zero[1:] == one[1:] and not any(s.startswith(("RuntimeError", "ValueError")) for s in zero[1:])
+    else:
+        assert zero[0] == one[0] and "backward failed" in one[1], (zero, one)
+        assert all(s.startswith(("RuntimeError", "ValueError")) for s in zero[1:] + one[2:]), (zero, one)
+
+
 def test_data_parallel_at_the_edges_of_a_step(worlds):
     results = worlds(2).run(data_parallel_steps)
     for case in results[0]:
