@@ -279,7 +279,7 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
           }
         }
       }
-      if (t.data_ptr() == nullptr) return -1;
+      if (t.data_ptr() == nullptr || !within_storage(t)) return -1;  // ops.py names it
       const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
       const bool own = buf && contiguous && type == buf->scalar_type() &&
                        start == lo + static_cast<uintptr_t>(offset * buf->element_size());
