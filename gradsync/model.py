@@ -501,7 +501,9 @@ BUCKETS_MB = [1, 4, 16, 25, 64, 256, 1024, 4096]
 def step_time(params, n, link, kernels, impl, bucket_bytes):
     """One step's gradient sync: the fp32 gradients in buckets, all-reduced one after another, without
     the agreement check (the hooks and DataParallel check a bucket at its first all-reduce only)."""
-    bucket = min(params, bucket_bytes // 4)
+    if params == 0:
+        return 0.0
+    bucket = max(1, min(params, bucket_bytes // 4))  # a bucket holds one element at least
     full, rest = divmod(params, bucket)
     t = full * allreduce_time(bucket, n, link, kernels, impl, check_call=False)
     return t + (allreduce_time(rest, n, link, kernels, impl, check_call=False) if rest else 0.0)
@@ -565,6 +567,10 @@ def slice_regrets(kernels=GPU_ASSUMED, hops=(15e-6, 40e-6, 80e-6), codecs=("none
     return worst
 
 
+def _ms_and_ratio(seconds, ratio):
+    return f"{seconds * 1e3:.1f} ({ratio:.1f}x)"
+
+
 def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     """The printed projections; `cpu`: measured CPU kernels, to show where a host-side codec stops paying."""
     lines = [f"# Gradient sync per step, flat ring, fp32 gradients in buckets; {kernels.name}",
@@ -575,12 +581,12 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
     for bucket_mb in bucket_mbs:
         for model, params in MODELS:
-            lines += [f"## {model}: {params * 4 / 1e9:.2f} GB of fp32 gradients in {bucket_mb} MB buckets; "
-                      "ms per step (speedup vs torch fp32)", head]
+            lines += [f"## {model}: {params * 4 / 2**20:,.0f} MB of fp32 gradients in {bucket_mb} MB buckets "
+                      "(MB: 2^20 bytes); ms per step (speedup vs torch fp32)", head]
             for n, link in TOPOLOGIES:
                 times = {i: step_time(params, n, link, kernels, NCCL_FP32 if i == TORCH else i, int(bucket_mb * 2**20))
                          for i in IMPLS}
-                cells = "".join(f"{times[i] * 1e3:>8.1f} ({times[TORCH] / times[i]:.1f}x)" for i in IMPLS)
+                cells = "".join(f" {_ms_and_ratio(times[i], times[TORCH] / times[i]):>14}" for i in IMPLS)
                 lines.append(f"{n:>5} {link.name:<20} {model:<11}{cells}")
             lines.append("")
     hop_assumed = " (ASSUMED)" if "ASSUMED" in kernels.name else ""  # the kernels', or only the hop's
@@ -594,8 +600,8 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     lines += ["## Where compression pays: per element and hop, the slower of wire and kernel (ps)",
               "(a hop costs max(wire, kernel) when pipelined, once hops are long enough to hide the host's cost",
               "of issuing them. The codec's ring is compared with NCCL's fp32 ring, which across nodes runs a",
-              f"ring per NIC ({GPUS_PER_NODE} per node), and with the same flat ring in fp32 on one NIC; host",
-              "kernels are what a codec would cost if it ran on the host)",
+              f"ring per NIC ({GPUS_PER_NODE} per node), and with the same flat ring in fp32 on one NIC; the CPU",
+              "rows put every kernel on the host, the fp32 rings' adds too, as with gloo)",
               f"{'link':<20} {'kernels':<24} {'codec':<9} {'NCCL fp32':>10} {'ring fp32':>10} {'codec wire':>11} "
               f"{'kernel':>8} {'pays vs NCCL':>13} {'vs ring':>8}"]
     kernel_sets = [(f"GPU, {'assumed' if kernels.name.startswith('ASSUMED') else 'measured'}", kernels)]
@@ -603,7 +609,8 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         nics = GPUS_PER_NODE if spans_nodes(link) else 1
         for label, ks in kernel_sets:
-            nccl, ring = max(4 / (nics * link.bandwidth), kernels.add), max(4 / link.bandwidth, kernels.add)
+            # the fp32 rings add on the same processor as the codec: a host codec beside a host fp32 ring
+            nccl, ring = max(4 / (nics * link.bandwidth), ks.add), max(4 / link.bandwidth, ks.add)
             for codec in ("fp16", "fp8_e4m3"):
                 wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
                 cost = max(wire, kernel)
@@ -667,7 +674,7 @@ def hierarchical_table(kernels, bucket_mb):
         for model, params in MODELS:
             times = [step_time(params, n, link, kernels, i, int(bucket_mb * 2**20)) for i in impls]
             lines.append(f"{n:>5} {link.name:<20} {model:<11}" +
-                         "".join(f"{t * 1e3:>9.1f} ({times[0] / t:.1f}x)" for t in times))
+                         "".join(f" {_ms_and_ratio(t, times[0] / t):>15}" for t in times))
     return lines
 
 
@@ -718,11 +725,16 @@ def main():
     parser.add_argument("--min-bytes", type=int, default=0, help="validate only rows of at least this size")
     parser.add_argument("--latencies-from", help="another netem report JSON whose latency-bound rows give the hop "
                         "latencies (held out: no row's own time in its prediction)")
-    parser.add_argument("--bucket-mb", type=_positive_mb, nargs="+", default=[25, 256])
+    parser.add_argument("--bucket-mb", type=_positive_mb, nargs="+", default=[25, 256],
+                        help="bucket sizes of the projections, in MB of 2^20 bytes (default: 25 256)")
     parser.add_argument("--gpu-kernels", help="a CUDA bench_kernels.py JSON (benchmarks/gpu_suite.sh writes one): "
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
+    for option, needed in (("--nccl-hop", "--gpu-kernels"), ("--latencies-from", "--validate"),
+                           ("--min-bytes", "--validate")):
+        if getattr(args, option[2:].replace("-", "_")) and not getattr(args, needed[2:].replace("-", "_")):
+            parser.error(f"{option} is read only with {needed}")
     kernels_given = args.kernels is not None
     if not kernels_given:
         args.kernels = os.path.join(RESULTS, "2026-12-01-cpu-kernels-1thread.json")

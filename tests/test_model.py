@@ -149,6 +149,10 @@ def test_buckets_never_beat_one_whole_all_reduce():
     whole = model.allreduce_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16", check_call=False)
     for mb in model.BUCKETS_MB:
         assert model.step_time(NUMEL * 8, 64, ib, model.GPU_ASSUMED, "gradsync fp16", mb * 2**20) >= whole * (1 - 1e-9)
+    # no gradients cost nothing; a bucket smaller than one element holds one (a division by zero before)
+    assert model.step_time(0, 64, ib, model.GPU_ASSUMED, "gradsync fp16", 25 << 20) == 0.0
+    assert model.step_time(3, 2, ib, model.GPU_ASSUMED, "gradsync fp16", 2) == \
+        pytest.approx(3 * model.step_time(1, 2, ib, model.GPU_ASSUMED, "gradsync fp16", 4))
 
 
 def test_a_host_that_issues_every_hop_bounds_the_ring():
@@ -265,6 +269,17 @@ def test_the_tables_print_from_any_folder(tmp_path):
 def test_the_tables_print():
     text = model.projection_tables()
     assert "ASSUMED" in text and "1024" in text and "hierarchical" in text and "Hierarchical sync" in text
+    assert "GPT-2 124M: 475 MB of fp32 gradients" in text  # in the buckets' MB of 2^20 bytes
+
+
+def test_host_codecs_are_compared_with_host_fp32_rings():
+    # a codec on the CPU beside an fp32 ring that adds on the CPU too, as gloo's does: fp16's fused
+    # step moves fewer bytes than the fp32 add, fp8's costs more, so fp8 pays only while the fp32
+    # wire is slower than its kernel
+    cpu = replace(FREE, add=1e-9, reduce_encode={"fp16": 0.8e-9, "fp8_e4m3": 1.2e-9})
+    rows = [line.split() for line in model.projection_tables(cpu=cpu).splitlines() if "CPU, 1 thread" in line]
+    assert len(rows) == 6 and all(r[-6] == r[-5] == "1000.0" for r in rows), rows  # ps per element: the CPU add
+    assert all(r[-2:] == (["yes", "yes"] if r[-7] == "fp16" else ["no", "no"]) for r in rows), rows
 
 
 # The runs of 2026-12-01: rows measured with the implementations taking turns call by call
@@ -413,6 +428,9 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
     (["--bucket-mb", "nan"], "--bucket-mb: must be a positive number of MB, got nan"),
     (["--bucket-mb", "25MB"], "--bucket-mb: must be a positive number of MB, got 25MB"),
+    (["--nccl-hop", KERNELS_JSON], "--nccl-hop is read only with --gpu-kernels"),  # was silently ignored
+    (["--min-bytes", "4096"], "--min-bytes is read only with --validate"),
+    (["--latencies-from", KERNELS_JSON], "--latencies-from is read only with --validate"),
     (["--kernels", "missing.json"], "--kernels missing.json does not exist"),
     (["--validate", "missing.json"], "--validate missing.json does not exist"),
     # the measurement files named: an installed wheel has no benchmarks/results to default to
