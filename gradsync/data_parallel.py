@@ -314,6 +314,7 @@ def _drain_failed_step(wrapper_ref, callback_ref):
     added to it."""
     wrapper = wrapper_ref()
     if wrapper is not None and wrapper._in_backward and wrapper._step_callback is callback_ref:
+        wrapper._refuse_unsent_buckets()  # before the caller can make another call
         for bucket in wrapper._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):  # the step is abandoned anyway
@@ -415,7 +416,7 @@ class DataParallel(torch.nn.Module, Joinable):
       after wrapping (from the next forward on).
     - A step whose backward raised is abandoned at the next forward or backward (its calls are
       waited for; the buckets it had not sent take their turn as refused calls, so that peers
-      whose backward did not raise fail rather than pair those calls with its next step's).
+      whose backward did not raise fail rather than pair those calls with its next ones).
     - ``with model.join():`` trains on uneven inputs, as DDP's ``join()`` does (it is a
       ``torch.distributed.algorithms.join.Joinable``, so ``Join([model, ...])`` works too): a
       rank that has run out of batches shadows the others' buffer broadcasts and all-reduces,
@@ -551,6 +552,7 @@ class DataParallel(torch.nn.Module, Joinable):
         self._warned_create_graph = False
         self._checked = False  # whether every rank has agreed on the buckets (on the first synced step)
         self._in_backward = False
+        self._unsent_refused = False  # whether a step that did not reach its end has refused its unsent buckets
         # under join(): whether each step divides by the group's size, else by the ranks still training
         self._divide_by_initial_world_size = True
         self._announced = None  # the last forward's announcement to the ranks that have joined
@@ -1028,26 +1030,8 @@ class DataParallel(torch.nn.Module, Joinable):
         accumulated counts as used at the next synchronized step, unless its gradient was set to None
         since (the batch skipped). The residuals of its calls are not restored: error feedback drops
         that step's old error. Gradients that are views of a bucket whose call ran are zeroed: the
-        call wrote into them, while the backward or the caller may have written too.
-
-        The buckets this rank had not sent take their turn as refused calls: peers whose backward
-        reached its end sent them, and would otherwise pair those calls with this rank's next step's.
-        At a bucket's first call, which every rank checks, the peers then raise naming this rank;
-        later calls are not checked, and the peers fail at the group's timeout instead of summing
-        another step. Where every rank's backward raised alike, every rank refuses the same buckets
-        and none waits."""
-        refusals = []
-        for k, bucket in enumerate(self._buckets):
-            if bucket.work is None and self._in_backward:
-                with contextlib.suppress(Exception):
-                    refusals.append(_refusal(self.process_group, bucket.buffer, True, False,
-                                             f"gradsync.DataParallel: rank {self.process_group.rank()}'s backward "
-                                             f"ended before it sent bucket {k} of the step (it raised there), and "
-                                             "the step is abandoned"))
-        for refusal in refusals:
-            with contextlib.suppress(Exception):  # it raises by design
-                if refusal is not None:
-                    refusal.wait()
+        call wrote into them, while the backward or the caller may have written too."""
+        self._refuse_unsent_buckets()
         for bucket in self._buckets:
             if bucket.work is not None:
                 with contextlib.suppress(Exception):
@@ -1060,6 +1044,24 @@ class DataParallel(torch.nn.Module, Joinable):
         self._arrival = []  # the order of a step that did not reach its end
         self._reset()
 
+    def _refuse_unsent_buckets(self):
+        """The buckets a step that did not reach its end had not sent take their turn as refused
+        calls, before any later call of this rank: peers whose backward reached its end sent them,
+        and would otherwise pair those calls with this rank's next ones. At a bucket's first call,
+        which every rank checks, the peers then raise naming this rank; later calls are not checked,
+        so the peers fail at the group's timeout rather than sum another step, as do this rank's
+        next calls, queued behind the refusals. Where every rank's backward raised alike, every
+        rank refuses the same buckets, which fails nothing. Nothing waits for the refusals here."""
+        if not self._in_backward or self._unsent_refused:
+            return
+        self._unsent_refused = True
+        for k, bucket in enumerate(self._buckets):
+            if bucket.work is None:
+                with contextlib.suppress(Exception):  # a refusal raises at its wait(), which nothing calls
+                    _refusal(self.process_group, bucket.buffer, checked=True, scatter=False,
+                             why=f"gradsync.DataParallel: rank {self.process_group.rank()}'s backward ended before it "
+                                 f"sent bucket {k} of the step (it raised there), and the step is abandoned")
+
     def _reset(self):
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.unused = 0, None, []
@@ -1070,6 +1072,7 @@ class DataParallel(torch.nn.Module, Joinable):
         self._reached = None
         self._walk_failed = False
         self._in_backward = False
+        self._unsent_refused = False
         self._sync_pending = False
 
     def _issue(self, force):

@@ -40,12 +40,14 @@ tensors: every rank sends its encoded contribution to every other at once and su
 order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1) payloads sent instead
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
-_engines = {}
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
+
+_engines = {}
 _stopping = {}  # group -> its engine, while shutdown() waits for its calls
-_engines_lock = threading.Lock()
-_stopped = threading.Condition(_engines_lock)  # notified as shutdown() lets go of each group, and at its end
+_to_stop = {}  # the groups whose engines the running shutdown() has yet to stop (an ordered set)
 _shutdowns = 0  # shutdown() calls running
+_engines_lock = threading.Lock()
+_stopped = threading.Condition(_engines_lock)  # notified as shutdown() lets go of each group
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 _sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
@@ -235,13 +237,12 @@ def _engine(group, tensor):
                 _sequences.pop(g, None)
         if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
             raise RuntimeError(_broken[group])
-        if engine is None and group in _stopping and _C._on_engine_thread():  # shutdown() waits for this thread
+        on_engine_thread = _C._on_engine_thread()
+        # a new engine's tags would also meet those of the calls shutdown() is finishing on the group
+        if engine is None and group in _stopping and on_engine_thread:  # shutdown() waits for this thread
             raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile from a "
                                "callback would start a second engine on the group")
-        # ... as they would the calls the old engine is finishing: a call from another thread waits for
-        # shutdown() (its peers' turn for it comes after those calls), which takes as long as they do
-        # (the group's timeout at most)
-        while engine is None and (group in _stopping or _shutdowns) and not _C._on_engine_thread():
+        while engine is None and group in _stopping:  # a call from another thread takes its turn after them
             _stopped.wait()
             engine = _engines.get(group)
         if engine is None and group in _broken:
@@ -250,6 +251,8 @@ def _engine(group, tensor):
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if _group_is_live(group):
                 _registered.add(group)
+            if _shutdowns and on_engine_thread:  # a running shutdown() stops what its calls' callbacks start
+                _to_stop[group] = None
     if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
         _C._release_engines([e for _, e in stale])
     if tensor.is_cuda and _uses_nccl(group):
@@ -530,8 +533,9 @@ def shutdown():
     torch.distributed has already destroyed is left to the process's exit rather than torn down here,
     since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
     left unusable stays so: later calls on it raise, as they did before. A call issued meanwhile
-    from another thread waits for it, then starts a new engine and takes its turn after the calls
-    shutdown() finished; one issued from a callback on gradsync's thread raises.
+    from another thread on a group whose calls shutdown() is finishing waits for them, then starts
+    a new engine (which this shutdown() leaves running) and takes its turn after them; one issued
+    from a callback on gradsync's thread raises.
     """
     if _C._on_engine_thread():  # it would wait for the very call whose callback is running
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
@@ -539,20 +543,22 @@ def shutdown():
     global _shutdowns
     with _engines_lock:
         _shutdowns += 1
+        _to_stop.update(dict.fromkeys(_engines))
     try:
-        _stop_every_engine()
+        _stop_engines()
     finally:
         with _engines_lock:
             _shutdowns -= 1
-            _stopped.notify_all()
 
 
-def _stop_every_engine():
+def _stop_engines():
     while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
         with _engines_lock:
-            if not _engines:
+            group = next((g for g in _engines if g in _to_stop), None)
+            if group is None:
+                _to_stop.clear()  # what is left lost its engine otherwise (a group torch.distributed destroyed)
                 return
-            group = next(iter(_engines))
+            del _to_stop[group]
             engine = _stopping[group] = _engines.pop(group)
         try:
             engine.stop()
@@ -582,6 +588,7 @@ def _forget_engines_in_forked_child():
                               "parent's; make new process groups in the child")
     _engines.clear()
     _stopping.clear()
+    _to_stop.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread
     _engines_lock, _attach_locks = threading.Lock(), weakref.WeakKeyDictionary()
     _stopped = threading.Condition(_engines_lock)

@@ -731,9 +731,10 @@ def main():
                         "measured GPU kernel costs for the projections instead of the assumed ones")
     parser.add_argument("--nccl-hop", help="with --gpu-kernels, a bench_nccl_hop.py JSON: the measured host cost per hop")
     args = parser.parse_args()
-    for option, needed in (("--nccl-hop", "--gpu-kernels"), ("--latencies-from", "--validate"),
-                           ("--min-bytes", "--validate")):
-        if getattr(args, option[2:].replace("-", "_")) and not getattr(args, needed[2:].replace("-", "_")):
+    for option, value, needed, given in (("--nccl-hop", args.nccl_hop, "--gpu-kernels", args.gpu_kernels),
+                                         ("--latencies-from", args.latencies_from, "--validate", args.validate),
+                                         ("--min-bytes", args.min_bytes, "--validate", args.validate)):
+        if value and not given:
             parser.error(f"{option} is read only with {needed}")
     kernels_given = args.kernels is not None
     if not kernels_given:

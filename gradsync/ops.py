@@ -119,8 +119,8 @@ def _check_scale(scale, name="scale"):
         traced = " (torch.compile traces a numpy scalar as an array: pass float(scale))" \
             if _compiling() and type(scale).__name__ == "ndarray" else ""
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}{traced}")
-    if _compiling():  # a traced scale may be symbolic; a constant integer is rounded once, as in eager
-        return _float32_int(scale) if type(scale) is int else scale
+    if _compiling():  # a traced scale may be symbolic
+        return scale
     try:  # the kernels apply it in float32: it must be finite there too
         value = _float32_int(scale) if isinstance(scale, numbers.Integral) else float(scale)
         struct.pack("<f", value)  # raises where rounding to float32 overflows

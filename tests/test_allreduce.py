@@ -856,6 +856,35 @@ def test_a_call_from_another_thread_while_shutdown_runs_waits_and_takes_its_turn
     assert worlds(2).run(call_from_a_thread_while_shutting_down) == [[3.0, 60.0, 900.0]] * 2
 
 
+def a_group_shut_down_while_another_waits(rank, size):
+    """Rank 0's shutdown() has finished g1's calls and waits for one on g2, which rank 1 makes only
+    after a call on g1: rank 0's next call on g1 goes ahead on a new engine rather than wait for the
+    whole shutdown()."""
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+    for group in (g1, g2):  # their engines, made in this order: shutdown() stops g1's first
+        gradsync.all_reduce(torch.ones(4), group=group)
+    on_g1, on_g2 = torch.full((4,), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+    if rank == 0:
+        work = gradsync.all_reduce(on_g2, op="sum", group=g2, async_op=True)
+        stopper = threading.Thread(target=gradsync.shutdown)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while g2 not in gradsync.distributed._stopping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gradsync.all_reduce(on_g1, op="sum", group=g1)
+        stopper.join(30)
+        work.wait()
+        assert not stopper.is_alive()
+    else:
+        gradsync.all_reduce(on_g1, op="sum", group=g1)
+        gradsync.all_reduce(on_g2, op="sum", group=g2)
+    return on_g1[0].item(), on_g2[0].item()
+
+
+def test_a_call_waits_for_shutdown_to_finish_its_own_groups_calls_only(worlds):
+    assert worlds(2).run(a_group_shut_down_while_another_waits) == [(3.0, 30.0)] * 2
+
+
 def test_shutdown_in_a_callback_raises(worlds):
     (seen, x), (_, y) = worlds(2).run(shutdown_in_a_callback)
     assert len(seen) == 1 and "cannot run on gradsync's communication thread" in seen[0], seen

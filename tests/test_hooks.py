@@ -1548,6 +1548,10 @@ def a_backward_that_raises_on_one_rank(rank, size, first):
             out.append(digest(torch.cat([p.grad.flatten() for p in segments.parameters()])))
         except Exception as error:  # noqa: B902 - what each step ended with
             out.append(f"{type(error).__name__}: {error}")
+        if first:  # a call of the training loop's own between steps (a flag, a metric)
+            flag = torch.tensor([rank + 1.0])
+            gradsync.all_reduce(flag, op="sum")
+            out.append(flag.item())
     return out
 
 
@@ -1564,7 +1568,8 @@ def test_a_backward_that_raises_on_one_rank_takes_its_buckets_turns(first):
     if first:
         assert "group rank(s) 1 could not prepare the call" in zero[0], zero
         assert "backward failed" in one[0], one
-        assert zero[1:] == one[1:] and not any(s.startswith(("RuntimeError", "ValueError")) for s in zero[1:])
+        assert zero[1::2] == one[1::2] == [3.0] * 3, (zero, one)  # the flags, summed right
+        assert zero[2::2] == one[2::2] and not any(s.startswith(("RuntimeError", "ValueError")) for s in zero[2::2])
     else:
         assert zero[0] == one[0] and "backward failed" in one[1], (zero, one)
         assert all(s.startswith(("RuntimeError", "ValueError")) for s in zero[1:] + one[2:]), (zero, one)
