@@ -878,6 +878,9 @@ def a_group_shut_down_while_another_waits(rank, size):
     else:
         gradsync.all_reduce(on_g1, op="sum", group=g1)
         gradsync.all_reduce(on_g2, op="sum", group=g2)
+    gradsync.shutdown()  # the world's later tests count engines
+    for group in (g1, g2):
+        dist.destroy_process_group(group)
     return on_g1[0].item(), on_g2[0].item()
 
 
