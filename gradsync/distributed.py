@@ -235,17 +235,15 @@ def _engine(group, tensor):
             for g, _ in stale:
                 _broken[g] = "gradsync: torch.distributed destroyed this process group"
                 _sequences.pop(g, None)
-        if engine is None and group in _broken:  # a new engine's tags would meet the old call's late messages
-            raise RuntimeError(_broken[group])
         on_engine_thread = _C._on_engine_thread()
-        # a new engine's tags would also meet those of the calls shutdown() is finishing on the group
+        # a new engine's tags would meet those of the calls shutdown() is finishing on the group
         if engine is None and group in _stopping and on_engine_thread:  # shutdown() waits for this thread
             raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile from a "
                                "callback would start a second engine on the group")
         while engine is None and group in _stopping:  # a call from another thread takes its turn after them
             _stopped.wait()
             engine = _engines.get(group)
-        if engine is None and group in _broken:
+        if engine is None and group in _broken:  # ... as they would a failed call's late messages
             raise RuntimeError(_broken[group])
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))

@@ -361,6 +361,8 @@ def _fresh_under_compile(targets):
 
 
 def _copy_back(written, targets):
+    if written is targets:  # eager: the kernel wrote the targets (no per-tensor loop on the hot path)
+        return
     for fresh, target in zip(written, targets):
         if fresh is not target:
             target.copy_(fresh)
