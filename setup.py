@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
@@ -21,6 +22,10 @@ DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
 def fail(message):
     sys.exit(f"gradsync build error: {message}")
 
+
+# pyproject.toml's SPDX license string is read by setuptools 77 and later; older ones reject it
+if int(setuptools.__version__.split(".")[0]) < 77:
+    fail(f"setuptools 77 or later is needed, found {setuptools.__version__}: pip install -U setuptools")
 
 # `setup.py sdist` (also what `python -m build --sdist` runs) only packs the sources: no torch needed
 MAKING_SDIST = [a for a in sys.argv[1:] if not a.startswith("-")][:1] == ["sdist"]

@@ -12,6 +12,7 @@ on the slowest rank.
 """
 import argparse
 import functools
+import math
 import os
 import statistics
 import sys
@@ -42,7 +43,10 @@ def parse_bytes(text):
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     if not text:
         raise ValueError("empty size")
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+    value = float(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a size: {text}")
+    return int(value)
 
 
 def gradient_like(numel, rank, device, seed=0):
@@ -345,6 +349,8 @@ def main():
     common.check_output_folders(parser, args, "--json", "--plot")
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no GPU")
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())

@@ -8,6 +8,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 
@@ -23,7 +24,7 @@ class Row:
     gbps: float = 0.0
     pct_copy: float = 0.0
     speedup: float = 0.0  # vs the case's baseline op (torch), same run
-    error: float = 0.0    # relative L2 error vs an fp64 reference, where meaningful
+    error: Optional[float] = None  # relative L2 error vs an fp64 reference, where measured
     extra: dict = field(default_factory=dict)
 
 
@@ -100,8 +101,8 @@ def ratio(v):
     return f"{v:.2f}x" if v else "-"
 
 
-def sci(v):
-    return f"{v:.2e}" if v else "-"
+def sci(v):  # "-": not measured; an exact result prints 0
+    return "-" if v is None else "0" if v == 0 else f"{v:.2e}"
 
 
 KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "count", 12, fixed(0)),

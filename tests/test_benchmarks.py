@@ -59,6 +59,15 @@ def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
     assert flatten["tensors"] == 161 and flatten["bytes_moved"] == 6 * flatten["count"]  # fp32 in, fp16 out
     # fp16 of standard normal data: a relative L2 error near 2^-12 (a bug in the cast would show)
     assert 1e-4 < flatten["error"] < 4e-4, flatten
+    # an error not measured is null in the JSON and "-" in the table; an exact result is 0, not "-"
+    alloc = next(r for r in rows if r["case"] == "resnet50" and r["op"] == "gradsync flatten(fp16), alloc")
+    assert alloc["error"] is None
+    sys.path.insert(0, BENCH)
+    try:
+        import common
+    finally:
+        sys.path.remove(BENCH)
+    assert (common.sci(None), common.sci(0.0), common.sci(2.5e-4)) == ("-", "0", "2.50e-04")
 
 
 def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
@@ -72,6 +81,8 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     assert report["meta"]["ranks"] == 2 and abs(report["meta"]["params"] - 2e5) < 0.1 * 2e5
     for r in report["rows"]:
         assert r["step_ms"] > 0 and r["mode"] in table, r
+        # the compute-only and communication-only rows are parts of a step: no step speedup
+        assert (r["speedup"] is None) == ("only" in r["mode"]) and (r["vs_torch_fp16"] is None) == ("only" in r["mode"])
     assert "overlap timeline" in table
     # "communication only" sends the buckets the hook sent, one call each, all the parameters
     buckets = report["meta"]["communication_only_buckets"]
@@ -136,6 +147,10 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     ("bench_ddp.py", ["--params", "nan"], "--params must be at least --layers"),
     ("bench_allreduce.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("bench_allreduce.py", ["--min-bytes", ""], "--min-bytes"),
+    ("bench_allreduce.py", ["--min-bytes", "infK"], "--min-bytes: invalid parse_bytes value"),
+    ("bench_allreduce.py", ["--max-bytes=-1K"], "--max-bytes: invalid parse_bytes value"),
+    ("bench_allreduce.py", ["--device", "cuda"] if not torch.cuda.is_available() else ["--step", "1"],
+     "--device cuda: torch sees no GPU" if not torch.cuda.is_available() else "--step"),
     ("bench_allreduce.py", ["--accuracy", "--impls", "fp16"], "--impls selects timed rows"),
     # an output file in a folder that is not there: refused before the run, not written after it
     ("bench_kernels.py", ["--cases", "gpt2", "--plot", "missing/k.png"], "--plot missing/k.png: the folder"),
