@@ -368,9 +368,15 @@ def _check_two_groups(local_group, cross_group):
         _check_member(group, name)
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"{name} must be a torch.distributed ProcessGroup, got {type(group).__name__}")
-    if local_group is cross_group and local_group.size() > 1:
+    if local_group is cross_group:
         raise ValueError("local_group and cross_group must be two groups, this rank's node and its place across the "
                          "nodes; got the same group for both")
+    # the node's all-gather is torch's collective, issued from gradsync's thread: on a group where
+    # others issue collectives too (DDP's own, join's, the caller's), the ranks' orders would differ
+    if local_group is dist.group.WORLD:
+        raise ValueError("local_group must not be the default group, which DDP and the training loop issue their own "
+                         "collectives on while the node's all-gather runs on gradsync's thread: pass local_size, or a "
+                         "group made for the hook alone (dist.new_group)")
 
 
 def _check_node_groups(local_group, cross_group):
@@ -406,7 +412,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
     each link carries are those of NCCL's own multi-node rings, less the codec's saving. A bucket's
     steps run one after another on gradsync's thread of the node's group, so every rank launches
-    the collectives of its communicators in the same order.
+    the collectives of its communicators in the same order; groups passed in must carry no other
+    collectives while backward runs (the default group is refused as ``local_group``).
 
     A step that fails (ranks that disagree on the call, a transport failure) fails the bucket's
     future and leaves the state unusable: its later calls raise, and the ranks that wait for this

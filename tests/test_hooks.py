@@ -252,7 +252,12 @@ def hierarchical_misuse(rank, size):
         F.mse_loss(ddp(x), y).backward()
     # groups given by hand: a cross group whose ranks hold different places in their nodes
     _, cross = hooks._node_groups(2)
+    everyone = dist.new_group(list(range(size)))  # every rank makes it
     with pytest.raises(ValueError, match="same place in nodes of one size"):
+        hooks.HierarchicalState(local_group=everyone, cross_group=cross)
+    # the default group, where DDP issues collectives of its own while the hook's all-gather runs on
+    # gradsync's thread (under find_unused_parameters the two orders differed across ranks: a hang)
+    with pytest.raises(ValueError, match="local_group must not be the default group"):
         hooks.HierarchicalState(local_group=dist.group.WORLD, cross_group=cross)
     # the nodes disagree on the codec: every rank's backward raises (none waits for a failed step),
     # and the state stays unusable
@@ -330,6 +335,10 @@ def groups_and_states_misuse(rank, size):
         assert kept.process_group is pair and kept.codec == "bf16"
     with pytest.raises(ValueError, match="must be two groups"):
         hooks.hierarchical_average(torch.ones(4), dist.group.WORLD, dist.group.WORLD, "fp16")
+    # one group of this rank alone for both: the all-reduce across "nodes" would run from a callback
+    # of that group's own future (on its thread, unless the reduce-scatter was done in time)
+    with pytest.raises(ValueError, match="must be two groups"):
+        hooks.HierarchicalState(local_group=singles[rank], cross_group=singles[rank])
     # one-rank "nodes" whose cross group is the node of two: half the world each
     with pytest.warns(UserWarning, match=r"average over 1 x 2 = 2 ranks, and the default group has 4"):
         hooks.HierarchicalState(local_group=singles[rank], cross_group=state.local_group)
