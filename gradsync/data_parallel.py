@@ -407,7 +407,8 @@ class DataParallel(torch.nn.Module, Joinable):
       tensors, lists, tuples, dicts and dataclasses) reaches no trainable parameter: such a step
       waits for every one (the first time with a warning). A parameter frozen after wrapping
       (``requires_grad=False``) contributes zeros, is never written and does not hold back its
-      bucket. Wrap the model once
+      bucket (unless a backward inside ``no_sync()`` gave it a gradient since the last synchronized
+      step: that one still gets the step's average). Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises, unless it runs under
       ``torch.no_grad()`` (as ``torch.func.functional_call`` with other weights may).
@@ -796,8 +797,9 @@ class DataParallel(torch.nn.Module, Joinable):
                 hooks[handle.id] = hooks.pop(handle.id)  # autograd reads the dict's own order: not move_to_end's
 
     def _broadcasts_buffers(self):
-        """Before a training forward, unless the last one was made inside no_sync(): once per step."""
-        return (self.broadcast_buffers and self.training and torch.is_grad_enabled() and self._forward_synced
+        """Before a training forward, unless the last one was made inside no_sync(): once per step. The
+        module's own mode counts (it may be set through the module rather than this wrapper)."""
+        return (self.broadcast_buffers and self.module.training and torch.is_grad_enabled() and self._forward_synced
                 and bool(self._buffers_seen))
 
     def _check_parameters(self, swaps_allowed=False):
@@ -1082,7 +1084,7 @@ class DataParallel(torch.nn.Module, Joinable):
                 return
             bucket.unused = [j for j, p in enumerate(bucket.params) if not self._used_here(p)]  # in order
             if bucket.views is None:
-                flatten([p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p)
+                flatten([p.grad if p.grad is not None and self._trains(p) else torch.zeros_like(p)
                          for p in bucket.params], dtype=torch.float32, out=bucket.buffer[:bucket.numel])
             else:
                 self._fill_views(bucket)
@@ -1091,18 +1093,17 @@ class DataParallel(torch.nn.Module, Joinable):
                 bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
                 # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
                 bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused
-                                          if bucket.params[j].requires_grad}
+                                          if self._trains(bucket.params[j])}
             bucket.work = _issue(bucket.buffer, self.codec, self.process_group, self._prescale, 1.0,
                                  not self._checked, bucket.residual)
             self._next += 1
 
-    @staticmethod
     @torch.no_grad()
-    def _fill_views(bucket):
+    def _fill_views(self, bucket):
         """The buffer of a bucket whose gradients are its views, as the flatten would fill another."""
         unused = set(bucket.unused)
         for j, p in enumerate(bucket.params):
-            if not p.requires_grad:  # frozen since wrapping: zeros go out, and its gradient stays as it is
+            if not self._trains(p):  # frozen since wrapping: zeros go out, and its gradient stays as it is
                 if bucket.holds(j):
                     p.grad = p.grad.clone()
                 bucket.view(j).zero_()
@@ -1113,8 +1114,13 @@ class DataParallel(torch.nn.Module, Joinable):
                 if j in unused:  # kept as it is if no rank used it
                     bucket.saved_grads[j] = bucket.view(j).clone()
 
+    def _trains(self, p):
+        """Whether the step averages p: it requires grad, or it was frozen after a backward inside
+        no_sync() gave it a gradient that the step's average must still include."""
+        return p.requires_grad or id(p) in self._used
+
     def _used_here(self, p):
-        return p.requires_grad and (id(p) in self._arrived or id(p) in self._used or
+        return self._trains(p) and (id(p) in self._arrived or id(p) in self._used or
                                     (id(p) in self._abandoned and p.grad is not None))
 
     def _finish_backward(self):
@@ -1127,7 +1133,7 @@ class DataParallel(torch.nn.Module, Joinable):
             unsure = {}
             for b in self._buckets:
                 unused = set(b.unused)
-                indices = [j for j, p in enumerate(b.params) if p.requires_grad and (j in unused or p.grad is None)]
+                indices = [j for j, p in enumerate(b.params) if self._trains(p) and (j in unused or p.grad is None)]
                 if indices:
                     unsure[b] = indices
             flags = torch.cat([b.buffer[b.flags_at:] for b in unsure]).tolist() if unsure else []
@@ -1157,7 +1163,7 @@ class DataParallel(torch.nn.Module, Joinable):
         used, which keep the gradient they have (None stays None) and their residual."""
         if bucket.views is not None:
             for j, p in enumerate(bucket.params):
-                if not p.requires_grad:
+                if not self._trains(p):
                     continue
                 if j in unused_everywhere:
                     if j in bucket.saved_grads:
@@ -1176,7 +1182,7 @@ class DataParallel(torch.nn.Module, Joinable):
                 run.clear()
 
         for j, p in enumerate(bucket.params):
-            if not p.requires_grad or j in unused_everywhere:
+            if not self._trains(p) or j in unused_everywhere:
                 flush(j)
                 if j in bucket.saved_residuals:
                     bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])

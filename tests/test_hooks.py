@@ -448,6 +448,37 @@ def accumulate(rank, size, mode, micro):
     return relative(models[0], models[1])
 
 
+def frozen_inside_an_accumulation(rank, size):
+    """A layer frozen after the no_sync() micro-batch of a step and before its synchronized one (a
+    freezing schedule reached mid-step): the gradient it accumulated is averaged all the same (an
+    optimizer steps every parameter whose .grad is set), with and without bucket views."""
+    out = {}
+    for views in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        model = gradsync.DataParallel(net, codec="none", gradient_as_bucket_view=views)
+        g = torch.Generator().manual_seed(rank)
+        with model.no_sync():
+            model(torch.randn(8, 8, generator=g)).square().mean().backward()
+        local = net[0].weight.grad.clone()
+        net[0].requires_grad_(False)
+        model(torch.randn(8, 8, generator=g)).square().mean().backward()
+        mean = local.clone()
+        dist.all_reduce(mean)
+        out[views] = (net[0].weight.grad.clone(), mean / size, net[2].weight.grad.clone())
+        for p in net.parameters():  # the next step trains the layer again: a new wrapper (unfrozen raises)
+            p.grad = None
+    return out
+
+
+def test_a_layer_frozen_inside_an_accumulation_gets_its_average(worlds):
+    results = worlds(2).run(frozen_inside_an_accumulation)
+    for views in (False, True):
+        (grad0, mean, head0), (grad1, _, head1) = results[0][views], results[1][views]
+        assert torch.equal(grad0, grad1) and torch.equal(head0, head1), views
+        torch.testing.assert_close(grad0, mean, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", ["hook:none", "dp:none", "dpv:none", "hook:fp16"])
 def test_no_sync_accumulation_equals_one_large_batch_step(worlds, mode):
     tolerance = 1e-6 if mode.endswith("none") else 1e-4
@@ -923,6 +954,13 @@ def buffer_broadcasts(rank, size):
         model.train()
         model(torch.randn(8, 4))  # broadcast first, then counted here
         out[broadcast].append((bn.running_mean.tolist(), int(bn.num_batches_tracked)))
+        # the module put back in training mode through itself, not through the wrapper: it trains,
+        # so its buffers are broadcast as before any training forward
+        bn.running_mean.fill_(float(rank))
+        model.eval()
+        net.train()
+        model(torch.randn(8, 4))
+        out[broadcast].append((bn.running_mean.tolist(), int(bn.num_batches_tracked)))
     return out
 
 
@@ -934,6 +972,8 @@ def test_data_parallel_broadcasts_buffers_at_wrapping_and_before_training_forwar
             assert out[broadcast][1] == ([float(rank)] * 3, 10 * rank)  # no broadcast before an eval forward
         assert out[True][2] == ([0.0] * 3, 1)
         assert out[False][2] == ([float(rank)] * 3, 10 * rank + 1)
+        assert out[True][3] == ([0.0] * 3, 2)
+        assert out[False][3] == ([float(rank)] * 3, 10 * rank + 2)
 
 
 class ManyBuffers(torch.nn.Module):
