@@ -7,7 +7,8 @@ and as the all-reduce across replicas of a hybrid-sharded model.
 
 FSDP2 reduce-scatters gradients with the process group's own collective in its ``reduce_dtype``
 (``MixedPrecisionPolicy``): in bf16, NCCL rounds every partial sum to bf16. With gradsync the wire
-carries ``codec`` while every hop sums in fp32, whatever ``reduce_dtype`` is; fp16 and the
+carries ``codec`` while every hop sums in fp32, whatever ``reduce_dtype`` is (float32, float16 or
+bfloat16; a float64 model reduces with ``reduce_dtype=torch.float32``); fp16 and the
 block-scaled fp8 codecs become possible too. Built on FSDP2's ``set_custom_reduce_scatter``, a
 private part of torch (``torch.distributed.fsdp._fully_shard._fsdp_api``).
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import _check_flag, _op_factor, all_reduce, reduce_scatter
-from .ops import _check_codec
+from .ops import FLOAT_DTYPES, _check_codec
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterComm
@@ -52,7 +53,9 @@ class ReduceScatter(_ReduceScatterComm):
     reduce-scatter every parameter in every step (``set_reduce_scatter_unused_params(True)``), as
     :func:`compress_reduce_scatter` does: FSDP2 otherwise leaves out the parameters that got no
     gradient, and a step that uses others of the same total size (another expert) would take their
-    residual. The residual has the unsharded gradients' size: an fp32 copy of the module's gradients
+    residual. It leaves out frozen parameters all the same: :func:`compress_reduce_scatter` also tells
+    the instance the module's parameters, so that a layout is told by which of them require
+    gradients (an instance made by hand knows them not). The residual has the unsharded gradients' size: an fp32 copy of the module's gradients
     on every rank, which sharding otherwise avoids.
 
     FSDP2 calls a custom reduce-scatter synchronously, and gradsync's completes on the host: on a
@@ -69,6 +72,7 @@ class ReduceScatter(_ReduceScatterComm):
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
         self._layouts = {}  # per group: the layouts checked there
         self._residuals = {}
+        self._params = ()  # set by compress_reduce_scatter: the module's, whose trainable ones a layout holds
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -79,7 +83,8 @@ class ReduceScatter(_ReduceScatterComm):
             factor = _op_factor(op, group.size())
         except (ValueError, AttributeError, RuntimeError):
             raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
-        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor)
+        _check_reduce_dtype(input_tensor.dtype, "ReduceScatter")
+        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor, _trainable(self._params))
         residual = None
         if self.error_feedback:
             residual = self._residuals.get(key)
@@ -127,9 +132,11 @@ class ReplicaAllReduce:
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
         self._layouts = _Layouts()
         self._residuals = {}
+        self._params = ()  # set by compress_replica_all_reduce, as for ReduceScatter
 
     def __call__(self, shard: torch.Tensor) -> None:
-        key = (shard.numel(), shard.dtype, shard.device)
+        _check_reduce_dtype(shard.dtype, "ReplicaAllReduce")
+        key = (shard.numel(), shard.dtype, shard.device, _trainable(self._params))
         residual = None
         if self.error_feedback:
             residual = self._residuals.get(key)
@@ -156,6 +163,39 @@ class _Layouts:
 
     def add(self, key) -> None:
         self._seen.add(key)
+
+
+def _check_reduce_dtype(dtype, caller):
+    """Raised on every rank alike before any exchange: FSDP2's reduce dtype is the same everywhere."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"gradsync.fsdp.{caller}: FSDP2 reduces this module's gradients in {dtype}, and gradsync "
+                        "takes float32, float16 or bfloat16: give fully_shard mp_policy=MixedPrecisionPolicy("
+                        "reduce_dtype=torch.float32) (gradsync sums in fp32 whatever the dtype)")
+
+
+def _check_reduce_dtypes(found, caller):
+    """What FSDP2 will reduce each trainable parameter's gradient in: its MixedPrecisionPolicy's
+    reduce_dtype, else its param_dtype, else the parameter's own dtype."""
+    for _, groups in found:
+        for g in groups:
+            policy = getattr(g, "mp_policy", None)
+            for fp in getattr(g, "fsdp_params", ()):
+                param = fp.sharded_param
+                if param.requires_grad:
+                    _check_reduce_dtype(getattr(policy, "reduce_dtype", None) or
+                                        getattr(policy, "param_dtype", None) or param.dtype, caller)
+
+
+def _parameters_of(groups):
+    return tuple(fp.sharded_param for g in groups for fp in getattr(g, "fsdp_params", ()))
+
+
+def _trainable(params):
+    """Which of the module's parameters require gradients now: with the call's size, what a layout
+    holds. Under error feedback every parameter is reduce-scattered in every step, but FSDP2 leaves
+    out the frozen ones: after one layer is frozen and another of its size unfrozen (a fine-tuning
+    schedule), the same size would otherwise take the first layer's residual."""
+    return tuple(p.requires_grad for p in params)
 
 
 def _fsdp_modules(module: torch.nn.Module, caller: str):
@@ -236,9 +276,11 @@ def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, err
     step (``set_reduce_scatter_unused_params(True)``; see :class:`ReduceScatter`). Call it after
     ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_reduce_scatter")
+    _check_reduce_dtypes(found, "compress_reduce_scatter")
     comms = [ReduceScatter(codec, error_feedback=error_feedback) for _ in found]  # bad arguments change nothing
     _reduce_every_parameter(found, "compress_reduce_scatter", comms[0].error_feedback)
-    for (m, _), comm in zip(found, comms):
+    for (m, groups), comm in zip(found, comms):
+        comm._params = _parameters_of(groups)
         m.set_custom_reduce_scatter(comm)
     return len(found)
 
@@ -256,6 +298,7 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     Returns how many modules it found (those that manage parameters). Call it on every rank after
     ``fully_shard`` and before the first backward."""
     found = _fsdp_modules(module, "compress_replica_all_reduce")
+    _check_reduce_dtypes(found, "compress_replica_all_reduce")
     for m, groups in found:
         if any(_all_reduces_replicas(g) for g in groups):
             raise ValueError("gradsync.fsdp.compress_replica_all_reduce: a module is sharded over a 2-D mesh (or "
@@ -264,6 +307,7 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     hooks = [ReplicaAllReduce(group, codec, op=op, error_feedback=error_feedback) for _ in found]
     _check_replica_group(found, group)
     _reduce_every_parameter(found, "compress_replica_all_reduce", hooks[0].error_feedback)
-    for (m, _), hook in zip(found, hooks):
+    for (m, groups), hook in zip(found, hooks):
+        hook._params = _parameters_of(groups)
         m.set_all_reduce_hook(hook)
     return len(found)

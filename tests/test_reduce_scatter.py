@@ -443,36 +443,52 @@ class TwoExperts(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
 
     def forward(self, x, use):
-        return (self.a if use == "a" else self.b)(x)
+        return self.a(x) + self.b(x) if use == "both" else (self.a if use == "a" else self.b)(x)
 
 
-def expert_steps(rank, size):
+def expert_steps(rank, size, switch, hook):
     """b's gradient in a step that uses only b, after one that used only a (with a gradient 10^6
-    times larger): (reference, fp8 with error feedback)."""
+    times larger): (reference, fp8 with error feedback). switch: "forward" uses one of the two;
+    "freeze" freezes the other (a fine-tuning schedule). hook: gradsync's reduce-scatter, or its
+    all-reduce across replicas (each rank a replica of one shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from gradsync import fsdp
 
-    mesh = init_device_mesh("cpu", (size,))
+    mesh = init_device_mesh("cpu", (size,)) if hook == "scatter" else \
+        init_device_mesh("cpu", (size, 1), mesh_dim_names=("replicate", "shard"))
     out = []
     for codec in ("none", "fp8_e4m3"):
         torch.manual_seed(0)
-        model = fully_shard(TwoExperts(), mesh=mesh)
-        fsdp.compress_reduce_scatter(model, codec, error_feedback=codec != "none")
+        model = fully_shard(TwoExperts(), mesh=mesh if hook == "scatter" else mesh["shard"])
+        if hook == "scatter":
+            fsdp.compress_reduce_scatter(model, codec, error_feedback=codec != "none")
+        else:
+            fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group(), codec,
+                                             error_feedback=codec != "none")
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-        model(x, "a").pow(2).sum().mul(1e3).backward()
+        if switch == "freeze":
+            model.b.weight.requires_grad_(False)
+        model(x, "a" if switch == "forward" else "both").pow(2).sum().mul(1e3).backward()
         model.zero_grad(set_to_none=True)
-        model(x, "b").pow(2).sum().mul(1e-3).backward()
-        out.append(model.b.weight.grad.full_tensor().clone())
+        if switch == "freeze":
+            model.a.weight.requires_grad_(False)
+            model.b.weight.requires_grad_(True)
+        model(x, "b" if switch == "forward" else "both").pow(2).sum().mul(1e-3).backward()
+        grad = model.b.weight.grad
+        out.append((grad.full_tensor() if hook == "scatter" else grad.to_local()).clone())
     return out
 
 
-def test_fsdp2_error_feedback_keeps_each_residual_with_its_parameter(worlds):
-    # FSDP2 reduce-scatters only the parameters that got a gradient: a's residual, in a layout of
-    # b's size, must not be added to b's gradient (it was, 10^4 times b's size)
+@pytest.mark.parametrize("switch, hook", [("forward", "scatter"), ("freeze", "scatter"), ("freeze", "replicas")])
+def test_fsdp2_error_feedback_keeps_each_residual_with_its_parameter(worlds, switch, hook):
+    # FSDP2 reduce-scatters only the parameters that got a gradient and those not frozen: a's
+    # residual, in a layout of b's size, must not be added to b's gradient (it was, 10^4 times b's
+    # size: by the forward's choice before the layouts became every parameter, by freezing until
+    # they were told by the parameters that require gradients)
     pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
-    for reference, got in worlds(2).run(expert_steps):
+    for reference, got in worlds(2).run(expert_steps, switch, hook):
         assert float((got - reference).norm() / reference.norm()) < 0.1
 
 
@@ -545,6 +561,19 @@ def fsdp_setup_corners(rank, size):
     with pytest.raises(TypeError, match="error_feedback"):
         fsdp.compress_reduce_scatter(model, "bf16", error_feedback="yes")
     assert not group.reduce_scatter_unused_params and group._reduce_scatter_comm is native
+    # a float64 model: refused here, naming FSDP2's reduce dtype, rather than at the first backward
+    # as an "output" the caller never passed; with reduce_dtype float32 it trains
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    wide = fully_shard(TwoHeads().double(), mesh=mesh)
+    with pytest.raises(TypeError, match="FSDP2 reduces this module's gradients in torch.float64.*reduce_dtype"):
+        fsdp.compress_reduce_scatter(wide, "bf16")
+    with pytest.raises(TypeError, match="ReduceScatter: FSDP2 reduces this module's gradients in torch.float64"):
+        fsdp.ReduceScatter("bf16")(torch.empty(2, dtype=torch.float64), torch.empty(2 * size, dtype=torch.float64),
+                                   dist.group.WORLD, "avg")
+    wide = fully_shard(TwoHeads().double(), mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    fsdp.compress_reduce_scatter(wide, "bf16")
+    wide(torch.randn(2, 4, dtype=torch.float64), True).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in wide.parameters())
     fsdp.compress_reduce_scatter(model, "bf16", error_feedback=True)
     assert group.reduce_scatter_unused_params
     fsdp.compress_reduce_scatter(model, "bf16")
