@@ -118,6 +118,9 @@ def check_output_folders(parser, args, *options):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             parser.error(f"{option} {path}: the folder {folder} does not exist")
+        if path and option == "--plot" and (path.endswith(("/", os.sep)) or os.path.isdir(path) or
+                                            not path.lower().endswith(".png")):
+            parser.error(f"{option} {path}: give a file name ending in .png")
 
 
 def write_json(path, title, rows, meta):

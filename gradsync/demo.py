@@ -29,6 +29,7 @@ import gradsync
 from gradsync import hooks
 
 VOCAB, SEQ, WIDTH, LAYERS, HEADS = 24, 32, 64, 2, 4
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # matplotlib's Agg writes them
 
 # mode: (how to wrap the model, wire bytes per gradient element)
 MODES = {
@@ -204,6 +205,10 @@ def parse(argv):
     folder = os.path.dirname(os.path.abspath(args.plot))
     if not os.path.isdir(folder):  # refused now, not after the training
         p.error(f"--plot {args.plot}: the folder {folder} does not exist")
+    if args.plot.endswith(("/", os.sep)) or os.path.isdir(args.plot) or \
+            os.path.splitext(args.plot)[1].lower().lstrip(".") not in PLOT_FORMATS:
+        p.error(f"--plot {args.plot}: give an image file name ending in one of "
+                f"{', '.join('.' + f for f in PLOT_FORMATS)}")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device is None:  # the GPUs of this node, one per local rank

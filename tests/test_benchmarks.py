@@ -155,6 +155,7 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     # an output file in a folder that is not there: refused before the run, not written after it
     ("bench_kernels.py", ["--cases", "gpt2", "--plot", "missing/k.png"], "--plot missing/k.png: the folder"),
     ("bench_allreduce.py", ["--json", "missing/a.json"], "--json missing/a.json: the folder"),
+    ("bench_allreduce.py", ["--plot", "a.txt"], "--plot a.txt: give a file name ending in .png"),
     ("bench_ddp.py", ["--json", "missing/d.json"], "--json missing/d.json: the folder"),
     ("bench_nccl_hop.py", ["--json", "missing/h.json"], "--json missing/h.json: the folder"),
     (os.path.join("netem", "report.py"), ["--out", "missing/r", "rate-1gbit.json"], "--out missing/r: the folder"),
