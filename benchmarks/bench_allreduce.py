@@ -44,7 +44,7 @@ def parse_bytes(text):
     if not text:
         raise ValueError("empty size")
     value = float(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-    if not math.isfinite(value) or value < 0:
+    if not value < math.inf or value < 0:  # a comparison: math.isfinite overflows on a huge integer
         raise ValueError(f"not a size: {text}")
     return int(value)
 

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from gradsync.demo import plot_path_problem
+
 
 @dataclass
 class Row:
@@ -118,9 +120,9 @@ def check_output_folders(parser, args, *options):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             parser.error(f"{option} {path}: the folder {folder} does not exist")
-        if path and option == "--plot" and (path.endswith(("/", os.sep)) or os.path.isdir(path) or
-                                            not path.lower().endswith(".png")):
-            parser.error(f"{option} {path}: give a file name ending in .png")
+        problem = plot_path_problem(path) if path and option == "--plot" else None
+        if problem:
+            parser.error(f"{option} {path}: {problem}")
 
 
 def write_json(path, title, rows, meta):

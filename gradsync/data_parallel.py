@@ -406,9 +406,9 @@ class DataParallel(torch.nn.Module, Joinable):
       for buckets that rank no longer sends). An output the walk cannot look into (it follows
       tensors, lists, tuples, dicts and dataclasses) reaches no trainable parameter: such a step
       waits for every one (the first time with a warning). A parameter frozen after wrapping
-      (``requires_grad=False``) contributes zeros, is never written and does not hold back its
-      bucket (unless a backward inside ``no_sync()`` gave it a gradient since the last synchronized
-      step: that one still gets the step's average). Wrap the model once
+      (``requires_grad=False``) does not hold back its bucket and counts as one this rank did not
+      use, unless a backward inside ``no_sync()`` gave it a gradient since the last synchronized
+      step that it still holds: that gradient then takes part in the step's average. Wrap the model once
       it is final and on its device: a forward after its parameters were moved to another device,
       replaced (``load_state_dict(assign=True)``) or unfrozen raises, unless it runs under
       ``torch.no_grad()`` (as ``torch.func.functional_call`` with other weights may).
@@ -1084,7 +1084,7 @@ class DataParallel(torch.nn.Module, Joinable):
                 return
             bucket.unused = [j for j, p in enumerate(bucket.params) if not self._used_here(p)]  # in order
             if bucket.views is None:
-                flatten([p.grad if p.grad is not None and self._trains(p) else torch.zeros_like(p)
+                flatten([p.grad if p.grad is not None else torch.zeros_like(p)
                          for p in bucket.params], dtype=torch.float32, out=bucket.buffer[:bucket.numel])
             else:
                 self._fill_views(bucket)
@@ -1092,36 +1092,31 @@ class DataParallel(torch.nn.Module, Joinable):
             if bucket.residual is not None:
                 bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
                 # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
-                bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused
-                                          if self._trains(bucket.params[j])}
+                bucket.saved_residuals = {j: bucket.segment(j, bucket.residual).clone() for j in bucket.unused}
             bucket.work = _issue(bucket.buffer, self.codec, self.process_group, self._prescale, 1.0,
                                  not self._checked, bucket.residual)
             self._next += 1
 
+    @staticmethod
     @torch.no_grad()
-    def _fill_views(self, bucket):
+    def _fill_views(bucket):
         """The buffer of a bucket whose gradients are its views, as the flatten would fill another."""
         unused = set(bucket.unused)
         for j, p in enumerate(bucket.params):
-            if not self._trains(p):  # frozen since wrapping: zeros go out, and its gradient stays as it is
-                if bucket.holds(j):
-                    p.grad = p.grad.clone()
-                bucket.view(j).zero_()
-            elif j in unused and p.grad is None:
+            if j in unused and p.grad is None:
                 bucket.view(j).zero_()  # and the gradient stays None unless some rank used it
             else:
                 bucket.adopt(j)  # its hook did, unless the gradient was set since
                 if j in unused:  # kept as it is if no rank used it
                     bucket.saved_grads[j] = bucket.view(j).clone()
 
-    def _trains(self, p):
-        """Whether the step averages p: it requires grad, or it was frozen after a backward inside
-        no_sync() gave it a gradient that the step's average must still include."""
-        return p.requires_grad or id(p) in self._used
-
     def _used_here(self, p):
-        return self._trains(p) and (id(p) in self._arrived or id(p) in self._used or
-                                    (id(p) in self._abandoned and p.grad is not None))
+        """A parameter frozen since wrapping is one this rank did not use, unless a backward inside
+        no_sync() (or one abandoned) gave it a gradient that it still holds: every rank then gets the
+        average, which that gradient is part of."""
+        if not p.requires_grad and p.grad is None:
+            return False
+        return id(p) in self._arrived or id(p) in self._used or (id(p) in self._abandoned and p.grad is not None)
 
     def _finish_backward(self):
         try:
@@ -1133,7 +1128,7 @@ class DataParallel(torch.nn.Module, Joinable):
             unsure = {}
             for b in self._buckets:
                 unused = set(b.unused)
-                indices = [j for j, p in enumerate(b.params) if self._trains(p) and (j in unused or p.grad is None)]
+                indices = [j for j, p in enumerate(b.params) if j in unused or p.grad is None]
                 if indices:
                     unsure[b] = indices
             flags = torch.cat([b.buffer[b.flags_at:] for b in unsure]).tolist() if unsure else []
@@ -1159,12 +1154,10 @@ class DataParallel(torch.nn.Module, Joinable):
 
     @torch.no_grad()
     def _write_back(self, bucket, unused_everywhere):
-        """The averages into the gradients, but for parameters frozen since wrapping and those no rank
-        used, which keep the gradient they have (None stays None) and their residual."""
+        """The averages into the gradients, but for the parameters no rank used, which keep the
+        gradient they have (None stays None) and their residual."""
         if bucket.views is not None:
             for j, p in enumerate(bucket.params):
-                if not self._trains(p):
-                    continue
                 if j in unused_everywhere:
                     if j in bucket.saved_grads:
                         bucket.view(j).copy_(bucket.saved_grads[j])
@@ -1182,7 +1175,7 @@ class DataParallel(torch.nn.Module, Joinable):
                 run.clear()
 
         for j, p in enumerate(bucket.params):
-            if not self._trains(p) or j in unused_everywhere:
+            if j in unused_everywhere:
                 flush(j)
                 if j in bucket.saved_residuals:
                     bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])

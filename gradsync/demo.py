@@ -29,7 +29,6 @@ import gradsync
 from gradsync import hooks
 
 VOCAB, SEQ, WIDTH, LAYERS, HEADS = 24, 32, 64, 2, 4
-PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # matplotlib's Agg writes them
 
 # mode: (how to wrap the model, wire bytes per gradient element)
 MODES = {
@@ -185,6 +184,20 @@ def worker(rank, world, init_file, args):
         dist.destroy_process_group()
 
 
+def plot_path_problem(path):
+    """Why matplotlib's savefig would fail on `path` or write elsewhere (it adds an extension to a
+    name without one), if it would; None without matplotlib, when no plot is drawn."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.endswith(("/", os.sep)) or os.path.isdir(path) or \
+            os.path.splitext(path)[1].lower().lstrip(".") not in formats:
+        return f"give an image file name ending in one of {', '.join('.' + f for f in sorted(formats))}"
+    return None
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m gradsync.demo", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="local processes to start (ignored under torchrun)")
@@ -205,10 +218,9 @@ def parse(argv):
     folder = os.path.dirname(os.path.abspath(args.plot))
     if not os.path.isdir(folder):  # refused now, not after the training
         p.error(f"--plot {args.plot}: the folder {folder} does not exist")
-    if args.plot.endswith(("/", os.sep)) or os.path.isdir(args.plot) or \
-            os.path.splitext(args.plot)[1].lower().lstrip(".") not in PLOT_FORMATS:
-        p.error(f"--plot {args.plot}: give an image file name ending in one of "
-                f"{', '.join('.' + f for f in PLOT_FORMATS)}")
+    problem = plot_path_problem(args.plot)
+    if problem:
+        p.error(f"--plot {args.plot}: {problem}")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device is None:  # the GPUs of this node, one per local rank

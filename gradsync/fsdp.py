@@ -54,9 +54,10 @@ class ReduceScatter(_ReduceScatterComm):
     :func:`compress_reduce_scatter` does: FSDP2 otherwise leaves out the parameters that got no
     gradient, and a step that uses others of the same total size (another expert) would take their
     residual. It leaves out frozen parameters all the same: :func:`compress_reduce_scatter` also tells
-    the instance the module's parameters, so that a layout is told by which of them require
-    gradients (an instance made by hand knows them not). The residual has the unsharded gradients' size: an fp32 copy of the module's gradients
-    on every rank, which sharding otherwise avoids.
+    the instance the module's parameters, so that a residual is kept per layout and set of
+    parameters requiring gradients (an instance made by hand knows them not). The residual has the
+    unsharded gradients' size: an fp32 copy of the module's gradients on every rank, which sharding
+    otherwise avoids.
 
     FSDP2 calls a custom reduce-scatter synchronously, and gradsync's completes on the host: on a
     GPU, each module's backward waits for the previous module's reduce-scatter to finish instead
@@ -72,7 +73,7 @@ class ReduceScatter(_ReduceScatterComm):
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
         self._layouts = {}  # per group: the layouts checked there
         self._residuals = {}
-        self._params = ()  # set by compress_reduce_scatter: the module's, whose trainable ones a layout holds
+        self._param_groups = ()  # set by compress_reduce_scatter: the module's, whose trainable parameters a layout holds
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -84,13 +85,14 @@ class ReduceScatter(_ReduceScatterComm):
         except (ValueError, AttributeError, RuntimeError):
             raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
         _check_reduce_dtype(input_tensor.dtype, "ReduceScatter")
-        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor, _trainable(self._params))
+        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor)
         residual = None
         if self.error_feedback:
-            residual = self._residuals.get(key)
+            held = key + (_trainable(self._param_groups),)
+            residual = self._residuals.get(held)
             if residual is None:
-                residual = self._residuals[key] = torch.zeros(input_tensor.numel(), dtype=torch.float32,
-                                                              device=input_tensor.device)
+                residual = self._residuals[held] = torch.zeros(input_tensor.numel(), dtype=torch.float32,
+                                                               device=input_tensor.device)
         layouts = self._layouts.setdefault(group, _Layouts())  # a separate reduce-scatter group checks its own
         work = reduce_scatter(output_tensor, input_tensor, op=op, codec=self.codec, group=group, async_op=True,
                               check_call=layouts.needs_check(key), residual=residual)
@@ -132,16 +134,17 @@ class ReplicaAllReduce:
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
         self._layouts = _Layouts()
         self._residuals = {}
-        self._params = ()  # set by compress_replica_all_reduce, as for ReduceScatter
+        self._param_groups = ()  # set by compress_replica_all_reduce, as for ReduceScatter
 
     def __call__(self, shard: torch.Tensor) -> None:
         _check_reduce_dtype(shard.dtype, "ReplicaAllReduce")
-        key = (shard.numel(), shard.dtype, shard.device, _trainable(self._params))
+        key = (shard.numel(), shard.dtype, shard.device)
         residual = None
         if self.error_feedback:
-            residual = self._residuals.get(key)
+            held = key + (_trainable(self._param_groups),)
+            residual = self._residuals.get(held)
             if residual is None:
-                residual = self._residuals[key] = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+                residual = self._residuals[held] = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
         all_reduce(shard, op=self.op, codec=self.codec, group=self.group, check_call=self._layouts.needs_check(key),
                    residual=residual)
         self._layouts.add(key)
@@ -186,16 +189,14 @@ def _check_reduce_dtypes(found, caller):
                                         getattr(policy, "param_dtype", None) or param.dtype, caller)
 
 
-def _parameters_of(groups):
-    return tuple(fp.sharded_param for g in groups for fp in getattr(g, "fsdp_params", ()))
-
-
-def _trainable(params):
-    """Which of the module's parameters require gradients now: with the call's size, what a layout
-    holds. Under error feedback every parameter is reduce-scattered in every step, but FSDP2 leaves
-    out the frozen ones: after one layer is frozen and another of its size unfrozen (a fine-tuning
-    schedule), the same size would otherwise take the first layer's residual."""
-    return tuple(p.requires_grad for p in params)
+def _trainable(param_groups):
+    """Which of the module's parameters require gradients now: with the call's size, which residual
+    a call takes. Under error feedback every parameter is reduce-scattered in every step, but FSDP2
+    leaves out the frozen ones: after one layer is frozen and another of its size unfrozen (a
+    fine-tuning schedule), the same size would otherwise take the first layer's residual. (Read at
+    each call: loading a state dict with assign=True gives FSDP2 new parameters.) Not part of the
+    layout the ranks check: a flag that differs on one rank must not make that rank alone check."""
+    return tuple(fp.sharded_param.requires_grad for g in param_groups for fp in getattr(g, "fsdp_params", ()))
 
 
 def _fsdp_modules(module: torch.nn.Module, caller: str):
@@ -280,7 +281,7 @@ def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, err
     comms = [ReduceScatter(codec, error_feedback=error_feedback) for _ in found]  # bad arguments change nothing
     _reduce_every_parameter(found, "compress_reduce_scatter", comms[0].error_feedback)
     for (m, groups), comm in zip(found, comms):
-        comm._params = _parameters_of(groups)
+        comm._param_groups = groups
         m.set_custom_reduce_scatter(comm)
     return len(found)
 
@@ -308,6 +309,6 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     _check_replica_group(found, group)
     _reduce_every_parameter(found, "compress_replica_all_reduce", hooks[0].error_feedback)
     for (m, groups), hook in zip(found, hooks):
-        hook._params = _parameters_of(groups)
+        hook._param_groups = groups
         m.set_all_reduce_hook(hook)
     return len(found)

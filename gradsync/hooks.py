@@ -453,7 +453,9 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
                          ) -> torch.futures.Future[torch.Tensor]:
     """:func:`hierarchical_hook`'s average of a tensor of any shape, in place (a strided one through a
     contiguous copy); returns a future of it at once. ``residual``: error feedback of the all-reduce
-    across the nodes, a float32 tensor of ceil(numel / local_group.size()) elements."""
+    across the nodes, a float32 tensor of ceil(numel / local_group.size()) elements. The node's
+    all-gather runs on gradsync's thread while the caller goes on, so ``local_group`` must be a
+    group of its own: the default group is refused."""
     _check_two_groups(local_group, cross_group)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")

@@ -448,35 +448,56 @@ def accumulate(rank, size, mode, micro):
     return relative(models[0], models[1])
 
 
+class Branch(torch.nn.Module):
+    """A first layer that a batch may skip (a data-dependent branch, an expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, through_a):
+        return self.b(torch.tanh(self.a(x)) if through_a else x.new_ones(len(x), 16))
+
+
 def frozen_inside_an_accumulation(rank, size):
     """A layer frozen after the no_sync() micro-batch of a step and before its synchronized one (a
-    freezing schedule reached mid-step): the gradient it accumulated is averaged all the same (an
-    optimizer steps every parameter whose .grad is set), with and without bucket views."""
+    freezing schedule reached mid-step), with and without bucket views: its gradient is averaged
+    all the same (an optimizer steps every parameter whose .grad is set), on every rank, where every
+    rank ("both") or one alone ("one") gave it a gradient; where the gradients were dropped with the
+    freeze ("dropped"), they stay None. Per case and views: (a's gradients, the mean of the local
+    ones, b's gradients)."""
     out = {}
-    for views in (False, True):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        model = gradsync.DataParallel(net, codec="none", gradient_as_bucket_view=views)
-        g = torch.Generator().manual_seed(rank)
-        with model.no_sync():
-            model(torch.randn(8, 8, generator=g)).square().mean().backward()
-        local = net[0].weight.grad.clone()
-        net[0].requires_grad_(False)
-        model(torch.randn(8, 8, generator=g)).square().mean().backward()
-        mean = local.clone()
-        dist.all_reduce(mean)
-        out[views] = (net[0].weight.grad.clone(), mean / size, net[2].weight.grad.clone())
-        for p in net.parameters():  # the next step trains the layer again: a new wrapper (unfrozen raises)
-            p.grad = None
+    for case in ("both", "one", "dropped"):
+        for views in (False, True):
+            torch.manual_seed(0)
+            net = Branch()
+            model = gradsync.DataParallel(net, codec="none", gradient_as_bucket_view=views)
+            g = torch.Generator().manual_seed(rank)
+            with model.no_sync():
+                model(torch.randn(8, 8, generator=g), case != "one" or rank == 0).square().mean().backward()
+            local = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.a.parameters()]
+            net.a.requires_grad_(False)
+            if case == "dropped":
+                net.a.zero_grad(set_to_none=True)
+            model(torch.randn(8, 8, generator=g), True).square().mean().backward()
+            for t in local:
+                dist.all_reduce(t)
+            out[case, views] = ([None if p.grad is None else p.grad.clone() for p in net.a.parameters()],
+                                [t / size for t in local], [p.grad.clone() for p in net.b.parameters()])
     return out
 
 
 def test_a_layer_frozen_inside_an_accumulation_gets_its_average(worlds):
     results = worlds(2).run(frozen_inside_an_accumulation)
-    for views in (False, True):
-        (grad0, mean, head0), (grad1, _, head1) = results[0][views], results[1][views]
-        assert torch.equal(grad0, grad1) and torch.equal(head0, head1), views
-        torch.testing.assert_close(grad0, mean, rtol=1e-6, atol=1e-7)
+    for key in results[0]:
+        (a0, mean, b0), (a1, _, b1) = results[0][key], results[1][key]
+        assert all(torch.equal(x, y) for x, y in zip(b0, b1)), key
+        if key[0] == "dropped":
+            assert a0 == a1 == [None, None], key
+            continue
+        assert all(torch.equal(x, y) for x, y in zip(a0, a1)), key
+        for got, expected in zip(a0, mean):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["hook:none", "dp:none", "dpv:none", "hook:fp16"])

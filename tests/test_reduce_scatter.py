@@ -478,6 +478,12 @@ def expert_steps(rank, size, switch, hook):
         model(x, "b" if switch == "forward" else "both").pow(2).sum().mul(1e-3).backward()
         grad = model.b.weight.grad
         out.append((grad.full_tensor() if hook == "scatter" else grad.to_local()).clone())
+    # one layout checked across the ranks (which parameters require gradients is not part of it:
+    # a rank alone whose flags differ must not check alone), a residual per set of them
+    group = model._get_fsdp_state()._fsdp_param_group
+    ours = group._reduce_scatter_comm if hook == "scatter" else group._all_reduce_hook
+    layouts = list(ours._layouts.values())[0] if hook == "scatter" else ours._layouts
+    assert len(layouts._seen) == 1 and len(ours._residuals) == (2 if switch == "freeze" else 1)
     return out
 
 
