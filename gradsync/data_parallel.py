@@ -1103,7 +1103,13 @@ class DataParallel(torch.nn.Module, Joinable):
         """The buffer of a bucket whose gradients are its views, as the flatten would fill another."""
         unused = set(bucket.unused)
         for j, p in enumerate(bucket.params):
-            if j in unused and p.grad is None:
+            if j in unused and not p.requires_grad and p.grad is not None:
+                # frozen since wrapping, not used here: its gradient goes out, and stays out of the
+                # buffer unless some rank used it (then the average is written into its view)
+                if bucket.holds(j):
+                    p.grad = p.grad.clone()
+                bucket.view(j).copy_(p.grad)
+            elif j in unused and p.grad is None:
                 bucket.view(j).zero_()  # and the gradient stays None unless some rank used it
             else:
                 bucket.adopt(j)  # its hook did, unless the gradient was set since
