@@ -5,9 +5,10 @@
 Cases: the parameter sets of GPT-2 124M (148 tensors) and ResNet-50 (161 tensors), and single
 buffers of 4 MiB and up (buffer-4MB, buffer-16MB, ...: MB in a case's name counts 2^20 bytes).
 GB/s counts the bytes the fused op must read and write: for the flatten and unflatten rows fp32 in,
-16-bit out (6 bytes per element) whatever the op, so their GB/s ratios are time ratios; for the codec rows fp32 in and the payload out. %copy compares with a
-device-to-device copy of a fp32 buffer of the case's size, measured in the same run (a small case
-fits in cache, so it is compared with a copy that fits there too).
+16-bit out (6 bytes per element) whatever the op, so their GB/s ratios are time ratios; for the
+codec rows fp32 in and the payload out. %copy compares with a device-to-device copy of a fp32
+buffer of the case's size, measured in the same run (a small case fits in cache, so it is compared
+with a copy that fits there too).
 """
 import argparse
 import math

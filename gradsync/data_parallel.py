@@ -408,10 +408,10 @@ class DataParallel(torch.nn.Module, Joinable):
       waits for every one (the first time with a warning). A parameter frozen after wrapping
       (``requires_grad=False``) does not hold back its bucket and counts as one this rank did not
       use, unless a backward inside ``no_sync()`` gave it a gradient since the last synchronized
-      step that it still holds: that gradient then takes part in the step's average. Wrap the model once
-      it is final and on its device: a forward after its parameters were moved to another device,
-      replaced (``load_state_dict(assign=True)``) or unfrozen raises, unless it runs under
-      ``torch.no_grad()`` (as ``torch.func.functional_call`` with other weights may).
+      step that it still holds: that gradient then takes part in the step's average. Wrap the
+      model once it is final and on its device: a forward after its parameters were moved to
+      another device, replaced (``load_state_dict(assign=True)``) or unfrozen raises, unless it
+      runs under ``torch.no_grad()`` (as ``torch.func.functional_call`` with other weights may).
     - Hooks registered on the parameters (``register_post_accumulate_grad_hook``: clipping, noise)
       run before gradsync reads the gradient, as they do before DDP's reducer, also when registered
       after wrapping (from the next forward on).

@@ -73,7 +73,7 @@ class ReduceScatter(_ReduceScatterComm):
         self.error_feedback = _check_flag(error_feedback, "error_feedback")
         self._layouts = {}  # per group: the layouts checked there
         self._residuals = {}
-        self._param_groups = ()  # set by compress_reduce_scatter: the module's, whose trainable parameters a layout holds
+        self._param_groups = ()  # the module's, set by compress_reduce_scatter: which residual a call takes
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
