@@ -164,10 +164,10 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 // The record every rank must agree on before the ring starts.
-RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct, bool scatter) {
+RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct, RingOp op) {
   return RingCall{t.numel(), static_cast<int32_t>(dtype_of(t)), static_cast<int32_t>(o.codec),
                   static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems, direct ? 1 : 0,
-                  scatter ? 1 : 0, 0};
+                  op, 0};
 }
 void check_residual(const at::Tensor& input, const RingOptions& options) {
   if (options.residual.defined()) {
@@ -194,15 +194,40 @@ std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tens
               " chunks of the output's ", output.numel(), " elements, not ", input.numel());
   dtype_of(input);
   check_residual(input, options);
-  return submit(Job{input, output, options, std::make_shared<RingWork>(output)});
+  Job job{input, output, options, std::make_shared<RingWork>(output)};
+  job.op = kReduceScatter;
+  return submit(std::move(job));
 }
 
-std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, bool scatter, const RingOptions& options,
+std::shared_ptr<RingWork> RingEngine::all_gather(at::Tensor output, at::Tensor input, const RingOptions& options) {
+  TORCH_CHECK(input.is_contiguous() && output.is_contiguous(), "gradsync.all_gather: the tensors must be contiguous");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
+              "gradsync.all_gather: output and input must have one dtype and device");
+  TORCH_CHECK(output.numel() == input.numel() * size(), "gradsync.all_gather: the output must hold ", size(),
+              " chunks of the input's ", input.numel(), " elements, not ", output.numel());
+  TORCH_CHECK(!options.residual.defined(), "gradsync.all_gather takes no residual");
+  dtype_of(output);
+  Job job{output, at::Tensor(), options, std::make_shared<RingWork>(output)};
+  job.op = kAllGather;
+  job.gather_input = input;
+  return submit(std::move(job));
+}
+
+void RingEngine::place_gather_input(const Job& job) const {
+  const at::Tensor& input = job.gather_input;  // both contiguous, of any shapes: their elements count
+  at::Tensor own = job.tensor.view(-1).narrow(0, rank() * input.numel(), input.numel());
+  if (input.numel() > 0 && own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
+}
+
+std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, RingOp op, const RingOptions& options,
                                              std::string why) {
   TORCH_CHECK(placeholder.numel() == 0 && placeholder.scalar_type() == at::kFloat,
               "gradsync: a refused call's placeholder is an empty float32 tensor");
-  Job job{placeholder, scatter ? placeholder : at::Tensor(), options, std::make_shared<RingWork>(placeholder)};
+  TORCH_CHECK(op == kAllReduce || op == kReduceScatter || op == kAllGather, "gradsync: unknown ring operation ", op);
+  Job job{placeholder, op == kReduceScatter ? placeholder : at::Tensor(), options, std::make_shared<RingWork>(placeholder)};
+  job.op = op;
   job.options.residual = at::Tensor();
+  job.options.after = nullptr;
   job.refusal = why.empty() ? std::string("gradsync: the call was refused") : std::move(why);
   return submit(std::move(job));
 }
@@ -277,7 +302,9 @@ void RingEngine::run() {
     }
     job.tensor = at::Tensor();
     job.output = at::Tensor();
+    job.gather_input = at::Tensor();
     job.options.residual = at::Tensor();
+    job.options.after = nullptr;
   }
 }
 
@@ -319,6 +346,12 @@ void RingEngine::set_error_feedback(CodecRingKernels& kernels, const Job& job) {
   if (job.options.residual.defined()) kernels.set_error_feedback(job.options.residual.data_ptr<float>());
 }
 
+void RingEngine::wait_for_dependency(const Job& job) {
+  if (!job.options.after) return;
+  job.options.after->wait();
+  job.options.after->future()->wait();  // complete already: makes the current streams wait for its events
+}
+
 void RingEngine::execute(Job& job) {
   const at::Tensor& t = job.tensor;
   const RingOptions& o = job.options;
@@ -330,9 +363,9 @@ void RingEngine::execute(Job& job) {
   // slices of at most slice_bytes on the wire (ring_plan.h), but few enough that one call's tags fit its range
   const int64_t wire_size = codec == Codec::kFp8E4M3 || codec == Codec::kFp8E5M2 ? 1
                             : codec == Codec::kNone ? dtype_size(dtype) : 2;
-  const bool scatter = job.output.defined();
+  const bool scatter = job.op == kReduceScatter;
   const auto plan_of = [&](int64_t slice) {
-    return scatter ? RingPlan::scatter(t.numel(), n, slice) : RingPlan(t.numel(), n, slice);
+    return job.op == kAllReduce ? RingPlan(t.numel(), n, slice) : RingPlan::scatter(t.numel(), n, slice);
   };
   int64_t slice_elems = ring_slice_elems(t.numel(), n, wire_size, o.slice_bytes);
   while (ring_tag_span(plan_of(slice_elems)) + n >= kTagsPerCall) slice_elems *= 2;
@@ -343,7 +376,7 @@ void RingEngine::execute(Job& job) {
 
   // small host buffers: the direct exchange (its final sum has no CUDA twin, so CUDA tensors take the ring)
   const int64_t payload_bytes = wire_size == 1 ? fp8_payload_bytes(t.numel()) : t.numel() * wire_size;
-  const bool direct = !scatter && !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
+  const bool direct = job.op == kAllReduce && !t.is_cuda() && n > 1 && n <= kDirectExchangeRanks && t.numel() > 0 &&
                       payload_bytes <= o.direct_bytes;
   std::unique_ptr<CodecRingKernels> kernels;
   uint8_t *recv_image = nullptr, *send_image = nullptr;
@@ -364,11 +397,13 @@ void RingEngine::execute(Job& job) {
       job.stream = guard->current_stream();
       const cudaStream_t stream = guard->current_stream().stream();
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.ready.get()), 0));
+      wait_for_dependency(job);
       kernels = std::make_unique<CudaRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype,
                                                   static_cast<float>(o.prescale), static_cast<float>(o.postscale), stream);
     }
 #endif
     if (!kernels) {
+      wait_for_dependency(job);
       kernels = std::make_unique<CpuRingKernels>(codec, t.data_ptr(), t.data_ptr(), dtype,
                                                  static_cast<float>(o.prescale), static_cast<float>(o.postscale));
     }
@@ -390,7 +425,7 @@ void RingEngine::execute(Job& job) {
     unprepared = std::current_exception();
   }
   if (o.check_call) {  // at the top of the call's tags, which every rank finds there whatever its numel
-    checked(ring_call(t, o, slice_elems, direct, scatter), unprepared,
+    checked(ring_call(t, o, slice_elems, direct, job.op), unprepared,
             [&](const RingCall& call) { check_ring_call(transport_, call, tag_base + kTagsPerCall - n); });
   }
   if (unprepared) {
@@ -408,7 +443,9 @@ void RingEngine::execute(Job& job) {
     return direct_allreduce(transport_, static_cast<CpuRingKernels&>(*kernels), t.numel(), recv_image, send_image,
                             tag_base);
   }
+  if (job.op == kAllGather) place_gather_input(job);  // on the kernels' stream, once the ranks agree
   if (scatter) ring_reduce_scatter(transport_, *kernels, plan, recv_image, send_image, tag_base);
+  else if (job.op == kAllGather) ring_all_gather(transport_, *kernels, plan, recv_image, send_image, tag_base);
   else ring_allreduce(transport_, *kernels, plan, recv_image, send_image, tag_base);
 }
 
@@ -432,9 +469,9 @@ void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,
 void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems) {
   const at::Tensor& t = job.tensor;
   const RingOptions& o = job.options;
-  TORCH_CHECK(t.device().index() == nccl()->device(), "gradsync.all_reduce: this group's NCCL communicator is on cuda:",
+  TORCH_CHECK(t.device().index() == nccl()->device(), "gradsync: this group's NCCL communicator is on cuda:",
               nccl()->device(), " but the tensor is on ", t.device());
-  TORCH_CHECK(!nccl()->aborted(), "gradsync.all_reduce: this group's NCCL communicator was aborted after an earlier "
+  TORCH_CHECK(!nccl()->aborted(), "gradsync: this group's NCCL communicator was aborted after an earlier "
               "failure; later calls on the group raise");
   // buffers allocated here come from the compute stream's pool (see execute)
   const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(compute_stream_, t.device().index()));
@@ -450,6 +487,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
       if (nccl()->abort(compute_stream_)) throw;
       new at::Tensor(t);  // leaked on purpose: kernels still queued may write them
       if (job.output.defined()) new at::Tensor(job.output);
+      if (job.gather_input.defined()) new at::Tensor(job.gather_input);
       if (o.residual.defined()) new at::Tensor(o.residual);
       new at::Tensor(check_table_);
       throw std::runtime_error(std::string(e.what()) + "; the call's kernels were still queued 10 s after the abort, so "
@@ -465,11 +503,12 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   std::exception_ptr unprepared;
   try {
     if (!job.refusal.empty()) throw std::invalid_argument(job.refusal);
+    wait_for_dependency(job);
     kernels = std::make_unique<CudaRingKernels>(static_cast<Codec>(o.codec), t.data_ptr(), t.data_ptr(), dtype,
                                                 static_cast<float>(o.prescale), static_cast<float>(o.postscale),
                                                 compute_stream_, /*synchronize=*/false);
     set_error_feedback(*kernels, job);
-    if (job.output.defined()) kernels->scatter_into(job.output.data_ptr(), plan.chunk_begin((rank() + 1) % n));
+    if (job.op == kReduceScatter) kernels->scatter_into(job.output.data_ptr(), plan.chunk_begin((rank() + 1) % n));
     std::vector<int64_t> offsets;
     const int64_t image_bytes = plan.layout([&](int64_t len) { return kernels->payload_bytes(len); }, offsets);
     recv_image = workspace(recv_image_, image_bytes, t.device(), false);
@@ -478,7 +517,7 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
     unprepared = std::current_exception();
   }
   if (o.check_call && n > 1) {  // the records travel in device memory, like every NCCL message
-    checked(ring_call(t, o, slice_elems, false, job.output.defined()), unprepared, [&](const RingCall& call) {
+    checked(ring_call(t, o, slice_elems, false, job.op), unprepared, [&](const RingCall& call) {
       const int64_t record = sizeof(RingCall);
       auto* records = reinterpret_cast<RingCall*>(check_table_.data_ptr<uint8_t>());
       std::vector<RingCall> host(n);
@@ -501,8 +540,10 @@ void RingEngine::execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elem
   aborting_on_failure([&] {
     // the check does not touch the tensor, so it need not wait for the caller's stream
     C10_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, static_cast<cudaEvent_t>(job.ready.get()), 0));
+    if (job.op == kAllGather) place_gather_input(job);  // on the compute stream, current here
     NcclTransport transport(*nccl(), compute_stream_, wire_stream_);
-    if (job.output.defined()) ring_reduce_scatter(transport, *kernels, plan, recv_image, send_image, 0);
+    if (job.op == kReduceScatter) ring_reduce_scatter(transport, *kernels, plan, recv_image, send_image, 0);
+    else if (job.op == kAllGather) ring_all_gather(transport, *kernels, plan, recv_image, send_image, 0);
     else ring_allreduce(transport, *kernels, plan, recv_image, send_image, 0);
     nccl()->synchronize(compute_stream_);
   });
@@ -575,21 +616,33 @@ void bind_ring(pybind11::module& m) {
       .def_property_readonly("nccl_device", &RingEngine::nccl_device)
       .def(
           "refuse",
-          [](RingEngine& e, at::Tensor placeholder, bool scatter, bool check_call, int64_t slice_bytes, std::string why) {
-            return e.refuse(std::move(placeholder), scatter, RingOptions{0, 1.0, 1.0, check_call, slice_bytes}, std::move(why));
+          [](RingEngine& e, at::Tensor placeholder, int op, bool check_call, int64_t slice_bytes, std::string why) {
+            return e.refuse(std::move(placeholder), static_cast<RingOp>(op), RingOptions{0, 1.0, 1.0, check_call, slice_bytes},
+                            std::move(why));
           },
-          py::arg("placeholder"), py::arg("scatter"), py::arg("check_call"), py::arg("slice_bytes"), py::arg("why"))
+          py::arg("placeholder"), py::arg("op"), py::arg("check_call"), py::arg("slice_bytes"), py::arg("why"))
       .def("attach_nccl", &RingEngine::attach_nccl, py::arg("unique_id"), py::arg("device"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",
           [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,
-             int64_t slice_bytes, std::optional<at::Tensor> residual, int64_t direct_bytes) {
+             int64_t slice_bytes, std::optional<at::Tensor> residual, int64_t direct_bytes,
+             std::shared_ptr<RingWork> after) {
             return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes,
-                                                               residual.value_or(at::Tensor()), direct_bytes});
+                                                               residual.value_or(at::Tensor()), direct_bytes, after});
           },
           py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
-          py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0)
+          py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0,
+          py::arg("after") = py::none())
+      .def(
+          "all_gather",
+          [](RingEngine& e, at::Tensor output, at::Tensor input, int64_t codec, bool check_call, int64_t slice_bytes,
+             std::shared_ptr<RingWork> after) {
+            return e.all_gather(std::move(output), std::move(input),
+                                RingOptions{codec, 1.0, 1.0, check_call, slice_bytes, at::Tensor(), 0, after});
+          },
+          py::arg("output"), py::arg("input"), py::arg("codec"), py::arg("check_call"), py::arg("slice_bytes"),
+          py::arg("after") = py::none())
       .def(
           "reduce_scatter",
           [](RingEngine& e, at::Tensor output, at::Tensor input, int64_t codec, double prescale, double postscale,

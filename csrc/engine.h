@@ -54,6 +54,9 @@ struct RingOptions {
   int64_t slice_bytes;
   at::Tensor residual;  // undefined, or fp32 like the tensor: error feedback (see CodecRingKernels)
   int64_t direct_bytes = 0;  // CPU payloads up to this size go through direct_allreduce, not the ring
+  // A call of another group's engine whose result this one reads: the call starts once it is done
+  // (on the device too), and takes its turn as a call this rank could not prepare if it failed.
+  std::shared_ptr<RingWork> after;
 };
 
 class RingEngine {
@@ -65,11 +68,14 @@ class RingEngine {
   std::shared_ptr<RingWork> all_reduce(at::Tensor tensor, const RingOptions& options);
   // `output` becomes this rank's chunk of `input` (size() chunks) reduced across the group.
   std::shared_ptr<RingWork> reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options);
+  // `output` (size() chunks) becomes every rank's `input`, chunk r rank r's; `input` is copied into
+  // this rank's chunk once the ranks agree on the call, unless it is that chunk (in place).
+  std::shared_ptr<RingWork> all_gather(at::Tensor output, at::Tensor input, const RingOptions& options);
   // Takes this rank's turn in a call it refused (`why`: its arguments were wrong here): the call's
   // agreement check tells the peers, which raise naming this rank instead of pairing their call
   // with this rank's next one. `placeholder`: an empty float32 tensor on the device the call would
   // have used. The returned work fails with `why`.
-  std::shared_ptr<RingWork> refuse(at::Tensor placeholder, bool scatter, const RingOptions& options, std::string why);
+  std::shared_ptr<RingWork> refuse(at::Tensor placeholder, RingOp op, const RingOptions& options, std::string why);
   // Whether the calling thread is an engine's worker (running a call's future callbacks, say), and
   // whether it is this engine's, which a call waited for there would wait for forever.
   static bool on_worker_thread();
@@ -99,9 +105,11 @@ class RingEngine {
  private:
   struct Job {
     at::Tensor tensor;
-    at::Tensor output;  // a reduce-scatter's (tensor is then its input); undefined for an all-reduce
+    at::Tensor output;  // a reduce-scatter's (tensor is then its input); undefined otherwise
     RingOptions options;
     std::shared_ptr<RingWork> work;
+    RingOp op = kAllReduce;
+    at::Tensor gather_input;  // an all-gather's (tensor is then its output)
     std::string refusal;  // non-empty: a call this rank refused (see refuse())
 #ifdef GRADSYNC_WITH_CUDA
     std::shared_ptr<void> ready;  // a CUDA event recorded on the caller's stream
@@ -122,6 +130,10 @@ class RingEngine {
   void checked(RingCall call, const std::exception_ptr& unprepared, const std::function<void(const RingCall&)>& check);
   void execute_nccl(Job& job, const RingPlan& plan, int64_t slice_elems);
   static void set_error_feedback(CodecRingKernels& kernels, const Job& job);
+  // Waits for the call's `after`, rethrowing its error; then orders the current stream after it.
+  static void wait_for_dependency(const Job& job);
+  // An all-gather's input into this rank's chunk of its output, on the current stream.
+  void place_gather_input(const Job& job) const;
   uint8_t* workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned);
 
   ProcessGroupTransport transport_;

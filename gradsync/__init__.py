@@ -10,7 +10,7 @@ __version__ = _build_info.version
 
 from . import hooks  # noqa: E402
 from .data_parallel import DataParallel  # noqa: E402
-from .distributed import AllReduceWork, all_reduce, reduce_scatter, shutdown  # noqa: E402
+from .distributed import AllReduceWork, all_gather, all_reduce, reduce_scatter, shutdown  # noqa: E402
 from .ops import (  # noqa: E402
     CODECS,
     FP8_BLOCK_SIZE,
@@ -21,5 +21,5 @@ from .ops import (  # noqa: E402
     unflatten,
 )
 
-__all__ = ["AllReduceWork", "CODECS", "DataParallel", "FP8_BLOCK_SIZE", "all_reduce", "compress", "decompress", "flatten",
-           "hooks", "payload_nbytes", "reduce_scatter", "shutdown", "unflatten", "__version__"]
+__all__ = ["AllReduceWork", "CODECS", "DataParallel", "FP8_BLOCK_SIZE", "all_gather", "all_reduce", "compress",
+           "decompress", "flatten", "hooks", "payload_nbytes", "reduce_scatter", "shutdown", "unflatten", "__version__"]

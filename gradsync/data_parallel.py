@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from .distributed import _check_flag, _issue, _refusal, _resolve_group
+from .distributed import _ALL_REDUCE, _check_flag, _issue, _refusal, _resolve_group
 from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
 
 __all__ = ["DataParallel"]
@@ -1060,7 +1060,7 @@ class DataParallel(torch.nn.Module, Joinable):
         for k, bucket in enumerate(self._buckets):
             if bucket.work is None:
                 with contextlib.suppress(Exception):  # a refusal raises at its wait(), which nothing calls
-                    _refusal(self.process_group, bucket.buffer, checked=True, scatter=False,
+                    _refusal(self.process_group, bucket.buffer, checked=True, op=_ALL_REDUCE,
                              why=f"gradsync.DataParallel: rank {self.process_group.rank()}'s backward ended before it "
                                  f"sent bucket {k} of the step (it raised there), and the step is abandoned")
 

@@ -55,8 +55,8 @@ _registered = weakref.WeakSet()  # groups of torch.distributed's registry, whose
 
 
 class AllReduceWork:
-    """The handle of an asynchronous :func:`all_reduce` (or :func:`reduce_scatter`); the tensors must not be
-    touched until ``wait()``."""
+    """The handle of an asynchronous :func:`all_reduce` (or :func:`reduce_scatter`, :func:`all_gather`); the
+    tensors must not be touched until ``wait()``."""
 
     def __init__(self, work, tensor):
         self._work = work
@@ -74,7 +74,8 @@ class AllReduceWork:
         """A ``torch.futures.Future`` completed with the reduced tensor (or the all-reduce's error).
 
         Its callbacks run on gradsync's communication thread: keep them short, and never wait in one
-        for another gradsync all-reduce of the same group.
+        for another gradsync call (a synchronous one on a group gradsync has run calls on raises
+        there: pass ``async_op=True``).
         """
         return self._work.get_future()
 
@@ -219,11 +220,17 @@ def _resolve_group(group, name="group", caller="all_reduce"):
 
 def _check_waitable(group, async_op, caller):
     """A call waited for on its own group's thread (in a callback of that group's future) would wait
-    there for itself, forever."""
+    there for itself, forever; on another group's thread, it could wait for a call queued behind one
+    that waits for that thread (hierarchical_average's calls wait for each other across groups)."""
     engine = _engines.get(group)
-    if not async_op and engine is not None and engine.on_own_worker_thread:
+    if async_op or engine is None or not _C._on_engine_thread():  # a group without an engine has nothing queued
+        return
+    if engine.on_own_worker_thread:
         raise RuntimeError(f"gradsync.{caller} on this group from a callback of one of its futures, which runs on "
                            "the group's communication thread, would wait there for itself: pass async_op=True")
+    raise RuntimeError(f"gradsync.{caller} from a callback of a gradsync future, which runs on gradsync's "
+                       "communication thread of another group, would hold that thread while it waits, and calls of "
+                       "the two groups may wait for each other (hierarchical_average's do): pass async_op=True")
 
 
 def _engine(group, tensor):
@@ -336,7 +343,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     timeout passed) the tensor's and the residual's contents are unspecified, and later calls on the
     group raise.
     """
-    with _refused_on_error(group, tensor, check_call, scatter=False):
+    with _refused_on_error(group, tensor, check_call, _ALL_REDUCE):
         _check_tensor(tensor, "tensor", "all_reduce")
         _check_codec(codec)
         async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
@@ -354,13 +361,15 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     return None
 
 
-def _issue(tensor, codec, group, prescale, postscale, check_call, residual):
+def _issue(tensor, codec, group, prescale, postscale, check_call, residual, after=None):
     """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
-    any factor (gradsync.DataParallel averages over the ranks still training under ``join()``)."""
+    any factor (gradsync.DataParallel averages over the ranks still training under ``join()``).
+    ``after``: an :class:`AllReduceWork` of another group that writes ``tensor``, which the call waits
+    for on gradsync's thread (see :func:`_all_gather_after`)."""
     _check_not_capturing(tensor, "all_reduce")
     work = _submit(group, tensor, lambda engine: engine.all_reduce(
         tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, tensor), residual,
-        DIRECT_BYTES))
+        DIRECT_BYTES, after._work if after is not None else None))
     return AllReduceWork(work, tensor)
 
 
@@ -378,30 +387,34 @@ def _submit(group, tensor, call):
                 raise
 
 
+# the ring's operations, as a call's record names them (RingOp in csrc/ring/ring_allreduce.h)
+_ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = 0, 1, 2
+
+
 @contextlib.contextmanager
-def _refused_on_error(group, tensor, check_call, scatter):
+def _refused_on_error(group, tensor, check_call, op):
     """Arguments that are wrong on one rank raise there; this rank still takes its turn in the call
     (RingEngine.refuse), so that the peers raise too, naming it, rather than pair their call with
     this rank's next one and sum different tensors."""
     try:
         yield
     except Exception as error:
-        _refuse(group, tensor, check_call, scatter, error)
+        _refuse(group, tensor, check_call, op, error)
         raise
 
 
-def _refuse(group, tensor, check_call, scatter, error):
+def _refuse(group, tensor, check_call, op, error):
     try:
         try:
             checked = _check_flag(check_call, "check_call")
         except TypeError:  # what the peers most likely pass: the default
             checked = True
-        _refusal(group, tensor, checked, scatter, f"{type(error).__name__}: {error}")
+        _refusal(group, tensor, checked, op, f"{type(error).__name__}: {error}")
     except Exception:  # the peers cannot be told: they wait for this rank until the group's timeout
         pass
 
 
-def _refusal(group, tensor, checked, scatter, why):
+def _refusal(group, tensor, checked, op, why):
     """This rank's turn in a call it does not make: with ``checked``, the peers' agreement check
     raises ``why`` on every rank; without, this rank's ring becomes unusable (its peers, already in
     the ring, time out). Returns the call's handle, whose wait() raises ``why`` (None on one rank)."""
@@ -425,7 +438,7 @@ def _refusal(group, tensor, checked, scatter, why):
                 return None
     placeholder = torch.empty(0, dtype=torch.float32, device=device)
     return AllReduceWork(_submit(group, placeholder, lambda engine: engine.refuse(
-        placeholder, scatter, checked, _slice_bytes(engine, placeholder), why)), placeholder)
+        placeholder, op, checked, _slice_bytes(engine, placeholder), why)), placeholder)
 
 
 def _check_tensor(t, name, caller):
@@ -460,6 +473,33 @@ def _slice_bytes(engine, tensor):
     return NCCL_SLICE_BYTES if tensor.is_cuda and engine.nccl_device >= 0 else SLICE_BYTES
 
 
+def _check_chunked_call(output, input, codec, group, async_op, check_call, caller):
+    """What reduce_scatter and all_gather check alike: the whole buffer (a reduce-scatter's input,
+    an all-gather's output) holds the group's chunks of the other tensor's numel, which is either
+    memory of its own or this rank's chunk of the whole. Returns (group, async_op, check_call)."""
+    _check_tensor(output, "output", caller)
+    _check_tensor(input, "input", caller)
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on "
+                         f"{input.device}) must have one dtype and device")
+    _check_codec(codec)
+    async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
+    group = _resolve_group(group, caller=caller)
+    _check_waitable(group, async_op, caller)
+    (whole, whole_name), (part, part_name) = ((input, "input"), (output, "output")) if caller == "reduce_scatter" \
+        else ((output, "output"), (input, "input"))
+    n, rank = group.size(), group.rank()
+    if whole.numel() != n * part.numel():
+        raise ValueError(f"{whole_name} must hold {n} chunks of {part_name}'s {part.numel()} elements "
+                         f"({n * part.numel()} elements), got {whole.numel()}")
+    if _overlap(whole, part) and part.data_ptr() != whole.data_ptr() + rank * part.numel() * part.element_size():
+        raise ValueError(f"{part_name} overlaps {whole_name} other than as this rank's own chunk of it "
+                         f"({whole_name}[{rank * part.numel()}:{(rank + 1) * part.numel()}])")
+    _check_backend(whole, whole_name, group)
+    _check_nccl_device(whole, group)
+    return group, async_op, check_call
+
+
 @_eager_under_compile
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg", codec: str = "none", group=None,
                    prescale: Optional[float] = None, postscale: Optional[float] = None, async_op: bool = False,
@@ -478,29 +518,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     for :func:`all_reduce`. ``input`` is only read; ``output`` may be this rank's own chunk of it
     (in place), or memory of its own.
     """
-    with _refused_on_error(group, input, check_call, scatter=True):
-        _check_tensor(output, "output", "reduce_scatter")
-        _check_tensor(input, "input", "reduce_scatter")
-        if output.dtype != input.dtype or output.device != input.device:
-            raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on "
-                             f"{input.device}) must have one dtype and device")
-        _check_codec(codec)
-        async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
-        group = _resolve_group(group, caller="reduce_scatter")
-        _check_waitable(group, async_op, "reduce_scatter")
-        n, rank = group.size(), group.rank()
-        if input.numel() != n * output.numel():
-            raise ValueError(f"input must hold {n} chunks of output's {output.numel()} elements "
-                             f"({n * output.numel()} elements), got {input.numel()}")
+    with _refused_on_error(group, input, check_call, _REDUCE_SCATTER):
+        group, async_op, check_call = _check_chunked_call(output, input, codec, group, async_op, check_call,
+                                                          "reduce_scatter")
         if residual is not None:
             _check_residual(residual, input, output)
-        if _overlap(output, input) and \
-                output.data_ptr() != input.data_ptr() + rank * output.numel() * output.element_size():
-            raise ValueError("output overlaps input other than as this rank's own chunk of it "
-                             f"(input[{rank * output.numel()}:{(rank + 1) * output.numel()}])")
-        _check_backend(input, "input", group)
-        _check_nccl_device(input, group)
-        prescale, postscale = resolve_scales(op, n, prescale, postscale)
+        prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
         _check_not_capturing(input, "reduce_scatter")
     work = _submit(group, input, lambda engine: engine.reduce_scatter(
         output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual))
@@ -509,6 +532,44 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
         return handle
     handle.wait()
     return None
+
+
+@_eager_under_compile
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: str = "none", group=None, async_op: bool = False,
+               check_call: bool = True):
+    """Gathers every rank's ``input`` into ``output``, as ``torch.distributed.all_gather_into_tensor``
+    does: ``output`` holds ``group.size()`` chunks of ``input.numel()`` elements end to end, and chunk
+    r becomes rank r's ``input``.
+
+    The second half of :func:`all_reduce`'s ring, n-1 hops, through gradsync's own transport (its
+    NCCL communicator for CUDA tensors on an NCCL group), so it never interleaves with torch's
+    collectives on the same group. Each rank's ``input`` is encoded to ``codec`` once and every rank
+    decodes the same bytes, its own chunk included: ``output`` is bitwise identical on every rank,
+    and with "none" (default) it is exactly the inputs. ``input`` may be this rank's own chunk of
+    ``output`` (in place: no copy into it); otherwise it is copied there once the ranks agree on the
+    call. ``async_op`` and ``check_call`` as for :func:`all_reduce`; ranks that disagree raise
+    before anything is written.
+    """
+    with _refused_on_error(group, output, check_call, _ALL_GATHER):
+        group, async_op, check_call = _check_chunked_call(output, input, codec, group, async_op, check_call,
+                                                          "all_gather")
+        _check_not_capturing(output, "all_gather")
+    handle = _all_gather_after(output, input, codec, group, check_call, None)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _all_gather_after(output, input, codec, group, check_call, after):
+    """:func:`all_gather` on checked arguments. ``after``: an :class:`AllReduceWork` of another
+    group that writes ``input``, which the call waits for on gradsync's thread, so that calls on
+    several groups can be issued at once in an order every rank shares (a failed one makes this call
+    raise on every rank, its check naming this rank)."""
+    work = _submit(group, output, lambda engine: engine.all_gather(
+        output, input, _CODEC_IDS[codec], bool(check_call), _slice_bytes(engine, output),
+        after._work if after is not None else None))
+    return AllReduceWork(work, output)
 
 
 def _registered_groups():

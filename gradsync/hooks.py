@@ -23,7 +23,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _check_member, _check_scale, _resolve_group, all_reduce, reduce_scatter
+from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
+                          _check_member, _check_nccl_device, _check_residual, _check_scale, _issue, _refuse,
+                          _resolve_group, all_reduce, reduce_scatter, resolve_scales)
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -371,12 +373,6 @@ def _check_two_groups(local_group, cross_group):
     if local_group is cross_group:
         raise ValueError("local_group and cross_group must be two groups, this rank's node and its place across the "
                          "nodes; got the same group for both")
-    # the node's all-gather is torch's collective, issued from gradsync's thread: on a group where
-    # others issue collectives too (DDP's own, join's, the caller's), the ranks' orders would differ
-    if local_group is dist.group.WORLD:
-        raise ValueError("local_group must not be the default group, which DDP and the training loop issue their own "
-                         "collectives on while the node's all-gather runs on gradsync's thread: pass local_size, or a "
-                         "group made for the hook alone (dist.new_group)")
 
 
 def _check_node_groups(local_group, cross_group):
@@ -397,23 +393,20 @@ def _check_node_groups(local_group, cross_group):
                       "be averaged within parts of it only, which then drift apart", stacklevel=3)
 
 
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket in three steps, as Horovod's hierarchical all-reduce does: the node's
     ranks reduce-scatter it with gradsync's ring in the bucket's own dtype (codec "none", fp32
     sums), each shard is all-reduced across the nodes by gradsync's ring on the state's codec
     (1/``local_size`` of the bucket per rank, every rank on its own link), and the node's ranks
-    all-gather the shards with their group's own collective. Every rank ends with the same bits.
+    all-gather the shards with gradsync's ring. Every rank ends with the same bits.
 
     Against gradsync's flat ring over all n ranks: only the c-1 hops between nodes (c nodes) round
     to the codec, not n-1, and the host issues 2(c-1) hops per slice across nodes instead of
     2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
-    each link carries are those of NCCL's own multi-node rings, less the codec's saving. A bucket's
-    steps run one after another on gradsync's thread of the node's group, so every rank launches
-    the collectives of its communicators in the same order; groups passed in must carry no other
-    collectives while backward runs (the default group is refused as ``local_group``).
+    each link carries are those of NCCL's own multi-node rings, less the codec's saving. The three
+    steps are issued at once, in bucket order, each waiting on gradsync's threads for the one before,
+    so every rank runs them in the same order; they travel through gradsync's own transport, never
+    among torch's collectives, so the groups may carry others too (DDP's own, the training loop's).
 
     A step that fails (ranks that disagree on the call, a transport failure) fails the bucket's
     future and leaves the state unusable: its later calls raise, and the ranks that wait for this
@@ -453,24 +446,46 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
                          ) -> torch.futures.Future[torch.Tensor]:
     """:func:`hierarchical_hook`'s average of a tensor of any shape, in place (a strided one through a
     contiguous copy); returns a future of it at once. ``residual``: error feedback of the all-reduce
-    across the nodes, a float32 tensor of ceil(numel / local_group.size()) elements. The node's
-    all-gather runs on gradsync's thread while the caller goes on, so ``local_group`` must be a
-    group of its own: the default group is refused."""
+    across the nodes, a float32 tensor of ceil(numel / local_group.size()) elements. Its three calls
+    (:func:`gradsync.reduce_scatter` in the node, :func:`gradsync.all_reduce` across the nodes,
+    :func:`gradsync.all_gather` in the node) are issued here and run on gradsync's threads, each
+    after the one before: calls of the caller's own on these groups queue behind them."""
     _check_two_groups(local_group, cross_group)
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    per_node = local_group.size()
-    shard_numel = -(-tensor.numel() // per_node)
-    flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
-    padded = flat if shard_numel * per_node == flat.numel() else \
-        torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])
-    shard = tensor.new_empty(shard_numel)
-    made_here = [shard] + ([flat] if not tensor.is_contiguous() else []) + ([padded] if padded is not flat else [])
+    # a call this rank does not make is still its turn on that group (refused), so that the peers
+    # raise, naming it, instead of waiting for it until the group's timeout
+    unissued = [(local_group, _REDUCE_SCATTER), (cross_group, _ALL_REDUCE), (local_group, _ALL_GATHER)]
+    try:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        _check_codec(codec)
+        check_call = _check_flag(check_call, "check_call")
+        per_node, place = local_group.size(), local_group.rank()
+        shard_numel = -(-tensor.numel() // per_node)
+        flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
+        padded = flat if shard_numel * per_node == flat.numel() else \
+            torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])
+        # memory of its own, copied into the tensor by the all-gather once the ranks agree on it: a step
+        # that fails before leaves the tensor as it was
+        shard = tensor.new_empty(shard_numel)
+        if residual is not None:
+            _check_residual(residual, shard, padded)
+        _check_backend(shard, "tensor", cross_group)
+        _check_nccl_device(shard, cross_group)
+        prescale, postscale = resolve_scales("avg", cross_group.size())
+        made_here = [shard] + ([flat] if not tensor.is_contiguous() else []) + ([padded] if padded is not flat else [])
+        del unissued[0]  # refused by reduce_scatter itself where it raises
+        scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
+        across = _issue(shard, codec, cross_group, prescale, postscale, check_call, residual, after=scattered)
+        del unissued[0]
+        gathered = _all_gather_after(padded, shard, "none", local_group, check_call, after=across)
+        del unissued[0]
+    except Exception as error:
+        for group, op in unissued:
+            _refuse(group, tensor, check_call, op, error)
+        raise
 
-    def across_and_gather(fut):  # on gradsync's thread of the node's group
-        fut.value()  # raises the reduce-scatter's error, if any
-        all_reduce(shard, codec=codec, group=cross_group, check_call=check_call, residual=residual)
-        _all_gather_tensor(padded, shard, group=local_group)
+    def copy_back(fut):  # on gradsync's thread of the node's group
+        fut.value()  # raises the failed step's error, if any
         if padded is not flat:
             flat.copy_(padded[:flat.numel()])
         if not tensor.is_contiguous():
@@ -481,8 +496,7 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
                 made.record_stream(stream)
         return tensor
 
-    scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
-    return scattered.get_future().then(across_and_gather)
+    return gathered.get_future().then(copy_back)
 
 
 # DDP.register_comm_hook refuses any hook whose __name__ is "bf16_compress_hook" unless CUDA and

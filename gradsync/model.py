@@ -298,14 +298,14 @@ NCCL_FP32 = "NCCL fp32"  # allreduce_time's impl: torch's all_reduce on GPUs, as
 def hierarchical_time(numel, n, per_node, node_link, link, kernels, codec, check_call=False):
     """hooks.hierarchical_hook on one bucket: gradsync's reduce-scatter inside the node (codec
     "none": half its ring), the all-reduce of each rank's 1/per_node shard across the n/per_node
-    nodes on `codec` (every rank on its own `link`), and the node's all-gather with NCCL (half its
-    plain ring), one after another. `check_call`: the agreement checks of a bucket's first step."""
+    nodes on `codec` (every rank on its own `link`), and the node's all-gather with gradsync's ring
+    (codec "none", the other half), one after another. `check_call`: the agreement checks of a
+    bucket's first step."""
     if n % per_node:
         raise ValueError(f"{per_node} ranks per node do not divide {n}")
-    inside = ring_time(numel, per_node, node_link, kernels, "none", check_call=check_call) / 2
+    node_ring = ring_time(numel, per_node, node_link, kernels, "none", check_call=check_call)
     across = ring_time(-(-numel // per_node), n // per_node, link, kernels, codec, check_call=check_call)
-    gather = ring_time(numel, per_node, node_link, kernels, plain=True) / 2
-    return inside + across + gather
+    return node_ring + across
 
 
 def nccl_link(link, n):
@@ -662,7 +662,7 @@ def hierarchical_table(kernels, bucket_mb):
     lines = [f"## Hierarchical sync (hooks.hierarchical_hook): nodes of {GPUS_PER_NODE} GPUs on {NODE_LINK.name}; "
              f"{bucket_mb} MB buckets; ms per step (speedup vs NCCL fp32)",
              "(the hook reduce-scatters inside the node with gradsync in fp32, all-reduces each 1/8 shard across the",
-             "n/8 nodes on the codec, every GPU on its own NIC, and all-gathers inside the node with NCCL, one",
+             "n/8 nodes on the codec, every GPU on its own NIC, and all-gathers inside the node with gradsync, one",
              "step after another. NCCL's fp32 ring runs a ring per NIC; gradsync's flat fp8 ring beside. At",
              "hundreds of GPUs the host issuing gradsync's hops across nodes sets its pace, not the codec, and",
              "NCCL's trees, not modelled, would cut NCCL's 2(n-1) link latencies)",

@@ -6,6 +6,7 @@ import gc
 import hashlib
 import io
 import pickle
+import time
 import warnings
 import weakref
 
@@ -255,10 +256,6 @@ def hierarchical_misuse(rank, size):
     everyone = dist.new_group(list(range(size)))  # every rank makes it
     with pytest.raises(ValueError, match="same place in nodes of one size"):
         hooks.HierarchicalState(local_group=everyone, cross_group=cross)
-    # the default group, where DDP issues collectives of its own while the hook's all-gather runs on
-    # gradsync's thread (under find_unused_parameters the two orders differed across ranks: a hang)
-    with pytest.raises(ValueError, match="local_group must not be the default group"):
-        hooks.HierarchicalState(local_group=dist.group.WORLD, cross_group=cross)
     # the nodes disagree on the codec: every rank's backward raises (none waits for a failed step),
     # and the state stays unusable
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
@@ -268,6 +265,66 @@ def hierarchical_misuse(rank, size):
     with pytest.raises(Exception, match="an earlier step failed"):
         F.mse_loss(ddp(x), y).backward()
     return True
+
+
+def hierarchical_on_ddps_group(rank, size):
+    """One node of every rank whose group is the default group, which DDP runs on with
+    find_unused_parameters=True: DDP's own all-reduce of the used parameters runs there while the
+    hook's steps do, and every step travels through gradsync's own messages, so nothing interleaves.
+    Parameters as DDP's own average gives them, and the same bits on every rank."""
+    singles = [dist.new_group([r]) for r in range(size)]
+    params = {}
+    for mode in ("ddp", "hier"):
+        ddp = DDP(make_net(unused=True), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+        if mode == "hier":
+            ddp.register_comm_hook(hooks.HierarchicalState(codec="none", local_group=dist.group.WORLD,
+                                                           cross_group=singles[rank]), hooks.hierarchical_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(6):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+        params[mode] = params_of(ddp.module)
+    return relative(params["hier"], params["ddp"]), digest(params["hier"])
+
+
+def test_hierarchical_hook_runs_on_the_group_ddp_runs_on(worlds):
+    results = worlds(4).run(hierarchical_on_ddps_group)
+    assert all(distance < 1e-6 for distance, _ in results), results
+    assert len({d for _, d in results}) == 1
+
+
+def hierarchical_failures(rank, size):
+    """With its calls checked, a step that fails on some ranks fails on every rank within seconds,
+    whichever of the three calls it is: a node whose ranks disagree (its reduce-scatter), a rank
+    whose arguments are wrong (refused before anything is issued). The tensor stays as it was, and
+    the groups serve the next call."""
+    state = hooks.HierarchicalState(2)
+    outcomes = []
+    for case in ("node disagrees", "refused here"):
+        numel = 1001 if case == "node disagrees" and rank == 1 else 1000
+        residual = torch.zeros(7 if case == "refused here" and rank == 3 else -(-numel // 2))
+        x = torch.full((numel,), float(rank))
+        start = time.monotonic()
+        with pytest.raises((ValueError, RuntimeError)) as error:
+            hooks.hierarchical_average(x, state.local_group, state.cross_group, "fp16", residual=residual).wait()
+        assert time.monotonic() - start < 10, (case, time.monotonic() - start)
+        assert torch.equal(x, torch.full((numel,), float(rank))), f"{case}: the failed step wrote into the tensor"
+        outcomes.append(str(error.value))
+    x = torch.full((1000,), float(rank))
+    hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+    assert torch.equal(x, torch.full((1000,), (size - 1) / 2))
+    return outcomes
+
+
+def test_a_failed_hierarchical_step_fails_on_every_rank(worlds):
+    results = worlds(4).run(hierarchical_failures)
+    disagree, refused = zip(*results)
+    assert all("gradsync.reduce_scatter: the ranks disagree" in m for m in disagree[:2]), disagree
+    assert all("gradsync.all_reduce: group rank(s) " in m and "could not prepare" in m for m in disagree[2:]), disagree
+    assert refused[3].startswith("residual must match"), refused
+    assert all("group rank(s) " in m and "could not prepare" in m for m in refused[:3]), refused
 
 
 def shard_residuals_on_rebuild(rank, size):

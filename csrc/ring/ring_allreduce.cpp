@@ -134,6 +134,11 @@ const char* dtype_name(int32_t dtype) {
   return dtype >= 0 && dtype < 3 ? names[dtype] : "unknown";
 }
 
+const char* op_name(int32_t op) {
+  static const char* const names[] = {"all_reduce", "reduce_scatter", "all_gather"};
+  return op >= 0 && op < 3 ? names[op] : "unknown";
+}
+
 const char* codec_name(int32_t codec) {
   static const char* const names[] = {"none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"};
   return codec >= 0 && codec < 5 ? names[codec] : "unknown";
@@ -142,15 +147,15 @@ const char* codec_name(int32_t codec) {
 }  // namespace
 
 void compare_ring_calls(const RingCall* table, int n, int self) {
-  const std::string op = table[self].scatter ? "gradsync.reduce_scatter" : "gradsync.all_reduce";
+  const std::string op = std::string("gradsync.") + op_name(table[self].op);
   std::ostringstream unprepared;
   for (int i = 0; i < n; ++i) {
     if (table[i].unprepared) unprepared << (unprepared.tellp() ? ", " : "") << i;
   }
   if (unprepared.tellp()) {
     throw std::invalid_argument(op + ": group rank(s) " + unprepared.str() + " could not prepare the call "
-                                "(its arguments, or allocating its workspaces) and raise the reason there; no rank "
-                                "has written anything");
+                                "(its arguments, allocating its workspaces, or an earlier call whose result it reads) "
+                                "and raise the reason there; no rank has written anything");
   }
   std::ostringstream diff;
   const auto describe = [&](const RingCall& c) {
@@ -158,7 +163,7 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
     diff << std::setprecision(std::numeric_limits<float>::max_digits10) << "numel " << c.numel << ", dtype "
          << dtype_name(c.dtype) << ", codec " << codec_name(c.codec) << ", prescale " << c.prescale << ", postscale "
          << c.postscale << ", slices of " << c.slice_elems << " elements, schedule " << (c.direct ? "direct" : "ring")
-         << ", operation " << (c.scatter ? "reduce_scatter" : "all_reduce");
+         << ", operation " << op_name(c.op);
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
@@ -243,35 +248,39 @@ struct RingCallLayout {
 };
 
 // For a rendezvous transport: every receive of a phase is posted up front, and each slice is
-// forwarded as soon as it is reduced. Without `gather`, the reduce-scatter alone.
-void ring_posted_ahead(const RingCallLayout& L, bool gather) {
+// forwarded as soon as it is reduced. The phases `op` makes: both, or one of them.
+void ring_posted_ahead(const RingCallLayout& L, RingOp op) {
   Transport& t = L.t;
   const RingPlan& plan = L.plan;
   const int n = L.n, r = L.r;
-  // Reduce-scatter: step s receives chunk r-s-1, adds the local part and forwards it.
   std::vector<int64_t> handles(static_cast<size_t>(n - 1) * L.k_max, -1);
-  for (int s = 0; s < n - 1; ++s) {
-    const int c = mod(r - s - 1, n);
-    for (int k = 0; k < plan.slices(c); ++k) handles[s * L.k_max + k] = t.recv(L.slot(L.recv_image, c, k), L.bytes(c, k), L.prev, L.tag(s, k));
-  }
-  for (int k = 0; k < plan.slices(r); ++k) {
-    L.encode(r, k);
-    t.send(L.outgoing(r, k), L.bytes(r, k), L.next, L.tag(0, k));
-  }
-  for (int s = 0; s < n - 1; ++s) {
-    const int c = mod(r - s - 1, n);
-    for (int k = 0; k < plan.slices(c); ++k) {
-      t.wait(handles[s * L.k_max + k]);
-      if (s == n - 2 && !gather) {
-        L.reduce_decode(L.slot(L.recv_image, c, k), c, k);
-        continue;
-      }
-      L.reduce_encode(c, k);
-      if (s < n - 2) t.send(L.outgoing(c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
+  if (op == kAllGather) {
+    for (int k = 0; k < plan.slices(L.own); ++k) L.encode(L.own, k);
+  } else {
+    // Reduce-scatter: step s receives chunk r-s-1, adds the local part and forwards it.
+    for (int s = 0; s < n - 1; ++s) {
+      const int c = mod(r - s - 1, n);
+      for (int k = 0; k < plan.slices(c); ++k) handles[s * L.k_max + k] = t.recv(L.slot(L.recv_image, c, k), L.bytes(c, k), L.prev, L.tag(s, k));
     }
+    for (int k = 0; k < plan.slices(r); ++k) {
+      L.encode(r, k);
+      t.send(L.outgoing(r, k), L.bytes(r, k), L.next, L.tag(0, k));
+    }
+    for (int s = 0; s < n - 1; ++s) {
+      const int c = mod(r - s - 1, n);
+      for (int k = 0; k < plan.slices(c); ++k) {
+        t.wait(handles[s * L.k_max + k]);
+        if (s == n - 2 && op == kReduceScatter) {
+          L.reduce_decode(L.slot(L.recv_image, c, k), c, k);
+          continue;
+        }
+        L.reduce_encode(c, k);
+        if (s < n - 2) t.send(L.outgoing(c, k), L.bytes(c, k), L.next, L.tag(s + 1, k));
+      }
+    }
+    t.wait_all();
+    if (op == kReduceScatter) return;
   }
-  t.wait_all();
-  if (!gather) return;
 
   // All-gather of the encoded reduced chunks: this rank owns chunk r+1; step s receives chunk r-s,
   // forwards it, then decodes it into the result (unless it was received there).
@@ -298,8 +307,8 @@ void ring_posted_ahead(const RingCallLayout& L, bool gather) {
 // unpaired. The host never waits: wait() orders the kernels after the receive on the device. A
 // send waits for every kernel issued before it, so each hop's kernel (and its wait) is issued after
 // the next hop: the transfer of slice k+1 then overlaps the kernel of slice k instead of following
-// it, unless that send reads what the kernel writes. Without `gather`, the reduce-scatter alone.
-void ring_paired(const RingCallLayout& L, bool gather) {
+// it, unless that send reads what the kernel writes. The phases `op` makes: both, or one of them.
+void ring_paired(const RingCallLayout& L, RingOp op) {
   Transport& t = L.t;
   const RingPlan& plan = L.plan;
   const int n = L.n, r = L.r;
@@ -324,24 +333,28 @@ void ring_paired(const RingCallLayout& L, bool gather) {
     flush();
     return h;
   };
-  for (int k = 0; k < plan.slices(r); ++k) L.encode(r, k);
-  for (int s = 0; s < n - 1; ++s) {
-    const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
-    for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
-      const int64_t h = hop(s, cs, L.outgoing(cs, k), cr, L.slot(L.recv_image, cr, k), k);
-      if (h >= 0 && s == n - 2 && !gather) {  // the last hop's sum goes on no wire
-        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_decode(L.slot(L.recv_image, cr, k), cr, k); }, nullptr);
-      } else if (h >= 0) {
-        defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.outgoing(cr, k));
+  if (op == kAllGather) {
+    for (int k = 0; k < plan.slices(L.own); ++k) L.encode(L.own, k);
+  } else {
+    for (int k = 0; k < plan.slices(r); ++k) L.encode(r, k);
+    for (int s = 0; s < n - 1; ++s) {
+      const int cs = mod(r - s, n), cr = mod(r - s - 1, n);
+      for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
+        const int64_t h = hop(s, cs, L.outgoing(cs, k), cr, L.slot(L.recv_image, cr, k), k);
+        if (h >= 0 && s == n - 2 && op == kReduceScatter) {  // the last hop's sum goes on no wire
+          defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_decode(L.slot(L.recv_image, cr, k), cr, k); }, nullptr);
+        } else if (h >= 0) {
+          defer([&t, &L, h, cr, k] { t.wait(h); L.reduce_encode(cr, k); }, L.outgoing(cr, k));
+        }
       }
     }
+    flush();
+    if (op == kReduceScatter) {
+      t.wait_all();
+      return;
+    }
+    t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
   }
-  flush();
-  if (!gather) {
-    t.wait_all();
-    return;
-  }
-  t.fence();  // the all-gather may land in the input, which the reduce-scatter kernels read
   for (int s = 0; s < n - 1; ++s) {
     const int cs = mod(r + 1 - s, n), cr = mod(r - s, n);
     for (int k = 0; k < std::max(plan.slices(cs), plan.slices(cr)); ++k) {
@@ -365,31 +378,36 @@ void ring_paired(const RingCallLayout& L, bool gather) {
 
 namespace {
 void ring_run(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image, uint8_t* send_image,
-              uint32_t tag_base, bool gather) {
+              uint32_t tag_base, RingOp op) {
   const RingCallLayout layout(t, kernels, plan, recv_image, send_image, tag_base);
   if (plan.ranks() == 1) {
-    // no wire: an all-reduce keeps its numerics (the result is the decoded encoding of the sum, as
-    // other ranks would see it); a reduce-scatter's sum is never encoded anyway
+    // no wire: an all-reduce or all-gather keeps its numerics (the result is the decoded encoding,
+    // as other ranks would see it); a reduce-scatter's sum is never encoded anyway
     for (int k = 0; k < plan.slices(0); ++k) {
-      if (gather) layout.encode(0, k);
+      if (op != kReduceScatter) layout.encode(0, k);
       else layout.reduce_decode(nullptr, 0, k);
     }
-    for (int k = 0; gather && k < plan.slices(0); ++k) layout.decode_own(k);
+    for (int k = 0; op != kReduceScatter && k < plan.slices(0); ++k) layout.decode_own(k);
     return;
   }
-  if (t.posts_receives_ahead()) ring_posted_ahead(layout, gather);
-  else ring_paired(layout, gather);
+  if (t.posts_receives_ahead()) ring_posted_ahead(layout, op);
+  else ring_paired(layout, op);
 }
 }  // namespace
 
 void ring_allreduce(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                     uint8_t* send_image, uint32_t tag_base) {
-  ring_run(t, kernels, plan, recv_image, send_image, tag_base, /*gather=*/true);
+  ring_run(t, kernels, plan, recv_image, send_image, tag_base, kAllReduce);
 }
 
 void ring_reduce_scatter(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                          uint8_t* send_image, uint32_t tag_base) {
-  ring_run(t, kernels, plan, recv_image, send_image, tag_base, /*gather=*/false);
+  ring_run(t, kernels, plan, recv_image, send_image, tag_base, kReduceScatter);
+}
+
+void ring_all_gather(Transport& t, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                     uint8_t* send_image, uint32_t tag_base) {
+  ring_run(t, kernels, plan, recv_image, send_image, tag_base, kAllGather);
 }
 
 int64_t direct_image_bytes(const RingKernels& kernels, int64_t numel, int ranks) {

@@ -114,6 +114,9 @@ class CudaRingKernels : public CodecRingKernels {
 };
 #endif
 
+// The collectives of the ring; a RingCall carries which one a rank makes.
+enum RingOp : int32_t { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2 };
+
 // What every rank must agree on before the ring starts.
 struct RingCall {
   int64_t numel;
@@ -123,7 +126,7 @@ struct RingCall {
   float postscale;
   int64_t slice_elems;
   int32_t direct;  // 1: direct_allreduce, 0: the ring
-  int32_t scatter;  // 1: ring_reduce_scatter, 0: an all-reduce
+  int32_t op;  // a RingOp
   int32_t unprepared;  // 1: this rank could not prepare the call (its workspaces, say) and raises why
   int32_t padding = 0;  // records are compared bytewise: no byte of one is left undefined
 };
@@ -164,6 +167,14 @@ void ring_allreduce(Transport& transport, RingKernels& kernels, const RingPlan& 
 // each element read before it is written.
 void ring_reduce_scatter(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
                          uint8_t* send_image, uint32_t tag_base);
+
+// The all-gather half alone, on a RingPlan::scatter plan, in place: the buffer's chunk `rank` holds
+// this rank's part, which is encoded once (prescale) and travels around the ring; every rank decodes
+// the same bytes (postscale) into every chunk, its own included, so the result is bitwise identical
+// on every rank. Where the result doubles as the payload (codec "none", postscale 1) nothing is
+// copied: the peers' chunks are received straight into it.
+void ring_all_gather(Transport& transport, RingKernels& kernels, const RingPlan& plan, uint8_t* recv_image,
+                     uint8_t* send_image, uint32_t tag_base);
 
 // For buffers so small that the ring's 2(n-1) hop latencies dominate: every rank sends its encoded
 // contribution to every other in one exchange (one hop of latency; n-1 payloads out and n-1 in),

@@ -243,7 +243,8 @@ void run_rank(Hub& hub, int r, bool in_order, CpuRingKernels& kernels, const Rin
   std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
   TagLog tags(guard, kTagBase, call.direct ? 1 : ring_tag_span(plan));
   if (call.direct) direct_allreduce(tags, kernels, call.numel, recv_image.data(), send_image.data(), kTagBase);
-  else if (call.scatter) ring_reduce_scatter(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
+  else if (call.op == kReduceScatter) ring_reduce_scatter(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
+  else if (call.op == kAllGather) ring_all_gather(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
   else ring_allreduce(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
   const std::string problems = tags.problems() + (tags.problems().empty() ? "" : "; ") + guard.problems();
   if (!problems.empty()) throw std::logic_error(problems);
@@ -377,6 +378,37 @@ void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, 
       CHECK(std::fabs(result[i] - exact[r * chunk + i]) <= ranks * rel * 8.0 * ranks,
             "reduce-scatter ranks %d chunk %ld codec %d%s: rank %d [%ld] %g vs %g", ranks, long(chunk), int(codec),
             in_order ? ", in order" : "", r, long(i), result[i], exact[r * chunk + i]);
+    }
+  }
+}
+
+// In place, every rank's chunk r must become rank r's: its exact values with "none" and the cast
+// codecs (small integers), within fp8's rounding otherwise; the same bits on every rank, its own
+// chunk's included.
+void check_all_gather(int ranks, int64_t chunk, Codec codec, int64_t slice, bool in_order) {
+  const int64_t numel = chunk * ranks;
+  std::vector<double> unused;
+  const std::vector<std::vector<float>> parts = small_integers(ranks, chunk, static_cast<uint32_t>(chunk * 7 + ranks), unused);
+  std::vector<std::vector<float>> data(ranks, std::vector<float>(numel, std::nanf("")));
+  for (int r = 0; r < ranks; ++r) std::copy(parts[r].begin(), parts[r].end(), data[r].begin() + r * chunk);
+  Hub hub;
+  const RingPlan plan = RingPlan::scatter(numel, ranks, slice);
+  const std::vector<std::string> errors = on_ranks(ranks, [&](int r) {
+    CpuRingKernels kernels(codec, data[r].data(), data[r].data(), DType::kFloat32, 1.0f, 1.0f);
+    run_rank(hub, r, in_order, kernels, plan, RingCall{numel, 0, int32_t(codec), 1.0f, 1.0f, slice, 0, kAllGather, 0});
+  });
+  const double rel = codec == Codec::kFp8E4M3 ? 1.0 / 16 : codec == Codec::kFp8E5M2 ? 1.0 / 8 : 0.0;
+  for (int r = 0; r < ranks; ++r) {
+    CHECK(errors[r].empty(), "all-gather ranks %d chunk %ld codec %d: rank %d: %s", ranks, long(chunk), int(codec), r,
+          errors[r].c_str());
+    CHECK(std::memcmp(data[r].data(), data[0].data(), numel * sizeof(float)) == 0,
+          "all-gather ranks %d chunk %ld codec %d: rank %d's result differs from rank 0's", ranks, long(chunk),
+          int(codec), r);
+    for (int64_t i = 0; i < numel; ++i) {
+      const float expected = parts[i / chunk][i % chunk];
+      CHECK(std::fabs(data[r][i] - expected) <= rel * std::fabs(expected), "all-gather ranks %d chunk %ld codec %d%s: "
+            "rank %d [%ld] %g vs %g", ranks, long(chunk), int(codec), in_order ? ", in order" : "", r, long(i),
+            data[r][i], expected);
     }
   }
 }
@@ -546,6 +578,14 @@ int main() {
           check_reduce_scatter(ranks, chunk, codec, 256, in_order, false);
           check_reduce_scatter(ranks, chunk, codec, 256, in_order, true);
         }
+      }
+    }
+  }
+  for (int ranks = 1; ranks <= 5; ++ranks) {
+    std::printf("ring: all-gather, %d ranks\n", ranks);
+    for (int64_t chunk : {0L, 1L, 127L, 128L, 129L, 1000L}) {
+      for (Codec codec : codecs) {
+        for (bool in_order : {false, true}) check_all_gather(ranks, chunk, codec, 256, in_order);
       }
     }
   }
