@@ -160,7 +160,7 @@ DType dtype_of(const at::Tensor& t) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
-    default: TORCH_CHECK(false, "gradsync.all_reduce takes float32, float16 or bfloat16 tensors");
+    default: TORCH_CHECK(false, "gradsync's collectives take float32, float16 or bfloat16 tensors");
   }
 }
 // The record every rank must agree on before the ring starts.

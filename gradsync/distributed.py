@@ -547,8 +547,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: str = "none"
     decodes the same bytes, its own chunk included: ``output`` is bitwise identical on every rank,
     and with "none" (default) it is exactly the inputs. ``input`` may be this rank's own chunk of
     ``output`` (in place: no copy into it); otherwise it is copied there once the ranks agree on the
-    call. ``async_op`` and ``check_call`` as for :func:`all_reduce`; ranks that disagree raise
-    before anything is written.
+    call. ``async_op`` and ``check_call`` as for :func:`all_reduce`; with the check, ranks that
+    disagree raise before anything is written.
     """
     with _refused_on_error(group, output, check_call, _ALL_GATHER):
         group, async_op, check_call = _check_chunked_call(output, input, codec, group, async_op, check_call,
@@ -565,7 +565,7 @@ def _all_gather_after(output, input, codec, group, check_call, after):
     """:func:`all_gather` on checked arguments. ``after``: an :class:`AllReduceWork` of another
     group that writes ``input``, which the call waits for on gradsync's thread, so that calls on
     several groups can be issued at once in an order every rank shares (a failed one makes this call
-    raise on every rank, its check naming this rank)."""
+    raise on every rank, its check, if any, naming this rank)."""
     work = _submit(group, output, lambda engine: engine.all_gather(
         output, input, _CODEC_IDS[codec], bool(check_call), _slice_bytes(engine, output),
         after._work if after is not None else None))

@@ -409,24 +409,31 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     among torch's collectives, so the groups may carry others too (DDP's own, the training loop's).
 
     A step that fails (ranks that disagree on the call, a transport failure) fails the bucket's
-    future and leaves the state unusable: its later calls raise, and the ranks that wait for this
-    one's later steps fail at their group's timeout.
+    future and leaves the state unusable: its later calls raise. Where the step's calls are checked
+    (a bucket's first step), a call that fails at or before its check fails on every rank at once;
+    otherwise, and for a transport failure, the peers fail at their group's timeout.
 
     Example::
         >>> ddp_model.register_comm_hook(HierarchicalState(local_size=8, error_feedback=True), hierarchical_hook)
     """
     if not isinstance(state, HierarchicalState):
         raise TypeError(f"hierarchical_hook takes a gradsync.hooks.HierarchicalState, got {type(state).__name__}")
-    if state.broken:
-        raise RuntimeError(f"gradsync.hooks.hierarchical_hook: an earlier step failed ({state.broken}); this state's "
-                           "groups may hold collectives its peers still wait in")
     buffer = bucket.buffer()
-    _check_dense(buffer)
-    reduced = _reducible(buffer, state.codec)
-    shard_numel = -(-buffer.numel() // state.local_group.size())
-    feedback = _check_flag(state.error_feedback, "state.error_feedback")
-    residual = state.shard_residual(bucket, shard_numel, buffer.device) if feedback else None
     check = state.needs_check(bucket, state.codec)
+    try:
+        # read when DDP calls the hook: a peer whose failed step was not yet known here makes the calls
+        if state.broken:
+            raise RuntimeError(f"gradsync.hooks.hierarchical_hook: an earlier step failed ({state.broken}); this "
+                               "state's groups may hold collectives its peers still wait in")
+        _check_dense(buffer)
+        reduced = _reducible(buffer, state.codec)
+        shard_numel = -(-buffer.numel() // state.local_group.size())
+        feedback = _check_flag(state.error_feedback, "state.error_feedback")
+        residual = state.shard_residual(bucket, shard_numel, buffer.device) if feedback else None
+    except Exception as error:  # this rank's turns in the step's three calls, which its peers may make
+        for group, op in _hierarchical_calls(state.local_group, state.cross_group):
+            _refuse(group, buffer, check, op, error)
+        raise
     done = hierarchical_average(reduced, state.local_group, state.cross_group, state.codec, check, residual)
     if reduced is not buffer:
         done = done.then(_copy_into(buffer))
@@ -441,6 +448,11 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     return done.then(state._value_once_agreed(bucket, state.codec)) if check and bucket.parameters() else done
 
 
+def _hierarchical_calls(local_group, cross_group):
+    """The groups and operations of a hierarchical step's calls, in the order they are issued."""
+    return [(local_group, _REDUCE_SCATTER), (cross_group, _ALL_REDUCE), (local_group, _ALL_GATHER)]
+
+
 def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
                          codec: str, check_call: bool = True, residual: Optional[torch.Tensor] = None
                          ) -> torch.futures.Future[torch.Tensor]:
@@ -453,13 +465,13 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
     _check_two_groups(local_group, cross_group)
     # a call this rank does not make is still its turn on that group (refused), so that the peers
     # raise, naming it, instead of waiting for it until the group's timeout
-    unissued = [(local_group, _REDUCE_SCATTER), (cross_group, _ALL_REDUCE), (local_group, _ALL_GATHER)]
+    unissued = _hierarchical_calls(local_group, cross_group)
     try:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
         _check_codec(codec)
         check_call = _check_flag(check_call, "check_call")
-        per_node, place = local_group.size(), local_group.rank()
+        per_node = local_group.size()
         shard_numel = -(-tensor.numel() // per_node)
         flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
         padded = flat if shard_numel * per_node == flat.numel() else \

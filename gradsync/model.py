@@ -212,6 +212,12 @@ def direct_time(numel, n, link, kernels, codec, check_call=True):
     return (check if check_call else 0.0) + a + wire + compute
 
 
+def check_time(n, link, kernels):
+    """Seconds for gradsync's agreement check: one hop of small messages, every rank with every other
+    up to DIRECT_EXCHANGE_RANKS ranks; beyond, and over NCCL (a host issuing hops), around the ring."""
+    return link.latency if n <= DIRECT_EXCHANGE_RANKS and not kernels.hop else (n - 1) * max(link.latency, kernels.hop)
+
+
 def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes=None, check_call=True):
     """Seconds for one all-reduce of `numel` fp32 elements over a ring of `n` ranks.
 
@@ -254,9 +260,7 @@ def ring_time(numel, n, link, kernels, codec="none", *, plain=False, slice_bytes
     if link.shared_cores:
         rs += (n - 1) * _exposed(wire, c_red + c_net)
         ag += (n - 1) * _exposed(wire, c_dec + c_net)
-    check = 0.0
-    if check_call and not plain:  # over NCCL (a host issuing hops) the records always go around the ring
-        check = link.latency if n <= DIRECT_EXCHANGE_RANKS and not kernels.hop else (n - 1) * max(link.latency, kernels.hop)
+    check = check_time(n, link, kernels) if check_call and not plain else 0.0
     total = check + rs + ag
     if kernels.hop and not plain:  # the host issues 2(n-1)m hops; the last one's transfer and kernel follow
         total = max(total, check + 2 * (n - 1) * m * kernels.hop + a + g + c_dec)
@@ -303,7 +307,11 @@ def hierarchical_time(numel, n, per_node, node_link, link, kernels, codec, check
     bucket's first step."""
     if n % per_node:
         raise ValueError(f"{per_node} ranks per node do not divide {n}")
-    node_ring = ring_time(numel, per_node, node_link, kernels, "none", check_call=check_call)
+    # the node's two halves never take the direct exchange, and each checks its call
+    node = replace(kernels, direct_bytes=0)
+    node_ring = ring_time(numel, per_node, node_link, node, "none", check_call=check_call)
+    if check_call and per_node > 1:
+        node_ring += check_time(per_node, node_link, node)
     across = ring_time(-(-numel // per_node), n // per_node, link, kernels, codec, check_call=check_call)
     return node_ring + across
 

@@ -51,19 +51,21 @@ def test_all_gather_is_each_ranks_input_through_the_codec_and_the_same_everywher
 
 
 def gather_with_others(rank, size):
-    """An all-gather in flight between an all-reduce and a reduce-scatter, then one on a subgroup of
-    ranks 1..3 and the default group's ring still in order."""
+    """An all-gather in flight between an all-reduce and a reduce-scatter, each with its own
+    result, then one on a subgroup of ranks 1..3 while rank 0 goes on."""
     chunk = 3001
     x = rank_input(rank, chunk, torch.float32, seed=31)
     reduced = rank_input(rank, chunk * size, torch.float32, seed=32)
-    scattered = torch.empty(chunk)
+    scattered, scattered_from = torch.empty(chunk), reduced.clone()
     gathered = torch.empty(chunk * size)
     works = [gradsync.all_reduce(reduced, op="sum", async_op=True),
              gradsync.all_gather(gathered, x, async_op=True),
-             gradsync.reduce_scatter(scattered, reduced.clone(), op="sum", async_op=True)]
+             gradsync.reduce_scatter(scattered, scattered_from, op="sum", async_op=True)]
     for w in works:
         w.wait()
     assert torch.equal(gathered, torch.cat([rank_input(r, chunk, torch.float32, seed=31) for r in range(size)]))
+    mine = reduced[rank * chunk:(rank + 1) * chunk]  # the same sums, added in another order
+    assert (scattered - mine).abs().max() <= 1e-6 * mine.abs().max()
     sub = dist.new_group([1, 2, 3])
     if rank == 0:
         return None
@@ -93,7 +95,7 @@ def disagreeing(rank, size):
         start = time.monotonic()
         try:
             if call == "operation" and rank == 1:
-                gradsync.reduce_scatter(torch.empty(4), torch.randn(4 * size))
+                gradsync.reduce_scatter(torch.empty(4), torch.randn(4 * size), op="sum")  # all but the op agree
             else:
                 gradsync.all_gather(out, x, codec=codec)
         except ValueError as e:

@@ -296,19 +296,21 @@ def test_hierarchical_hook_runs_on_the_group_ddp_runs_on(worlds):
 
 
 def hierarchical_failures(rank, size):
-    """With its calls checked, a step that fails on some ranks fails on every rank within seconds,
-    whichever of the three calls it is: a node whose ranks disagree (its reduce-scatter), a rank
-    whose arguments are wrong (refused before anything is issued). The tensor stays as it was, and
-    the groups serve the next call."""
+    """With its calls checked, a step that fails on some ranks fails on every rank within seconds:
+    a node whose ranks disagree (its reduce-scatter), nodes that disagree (the all-reduce across
+    them, after which every all-gather depends on a failed call), a rank whose arguments are wrong
+    (refused before anything is issued). The tensor stays as it was, and the groups serve the next
+    call."""
     state = hooks.HierarchicalState(2)
     outcomes = []
-    for case in ("node disagrees", "refused here"):
+    for case in ("node disagrees", "nodes disagree", "refused here"):
         numel = 1001 if case == "node disagrees" and rank == 1 else 1000
         residual = torch.zeros(7 if case == "refused here" and rank == 3 else -(-numel // 2))
+        codec = "fp8_e4m3" if case == "nodes disagree" and rank >= 2 else "fp16"
         x = torch.full((numel,), float(rank))
         start = time.monotonic()
         with pytest.raises((ValueError, RuntimeError)) as error:
-            hooks.hierarchical_average(x, state.local_group, state.cross_group, "fp16", residual=residual).wait()
+            hooks.hierarchical_average(x, state.local_group, state.cross_group, codec, residual=residual).wait()
         assert time.monotonic() - start < 10, (case, time.monotonic() - start)
         assert torch.equal(x, torch.full((numel,), float(rank))), f"{case}: the failed step wrote into the tensor"
         outcomes.append(str(error.value))
@@ -320,9 +322,10 @@ def hierarchical_failures(rank, size):
 
 def test_a_failed_hierarchical_step_fails_on_every_rank(worlds):
     results = worlds(4).run(hierarchical_failures)
-    disagree, refused = zip(*results)
+    disagree, across, refused = zip(*results)
     assert all("gradsync.reduce_scatter: the ranks disagree" in m for m in disagree[:2]), disagree
     assert all("gradsync.all_reduce: group rank(s) " in m and "could not prepare" in m for m in disagree[2:]), disagree
+    assert all("gradsync.all_reduce: the ranks disagree" in m and "codec fp8_e4m3" in m for m in across), across
     assert refused[3].startswith("residual must match"), refused
     assert all("group rank(s) " in m and "could not prepare" in m for m in refused[:3]), refused
 

@@ -178,6 +178,17 @@ def test_hierarchical_sync_is_a_node_reduce_scatter_a_shard_ring_and_a_node_all_
         inside = 2 * (per_node - 1) / per_node * NUMEL * 4 / 8e9  # reduce-scatter (fp32) and all-gather
         across = 2 * (nodes - 1) / nodes * NUMEL / per_node * 2 / 1e9  # 1/4 shards, fp16 on the wire
         assert t == pytest.approx(inside + across, rel=1e-9)
+    # checked (a bucket's first step): the node's reduce-scatter and all-gather check a hop each, the
+    # ring across nodes one; a host that issues every hop pays it in the node's all-gather too
+    slow_node, slow_nic = link(bandwidth=8e9, latency=1e-3), link(bandwidth=1e9, latency=1e-2)
+    checked = model.hierarchical_time(NUMEL, 16, per_node, slow_node, slow_nic, FREE, "fp16", check_call=True)
+    unchecked = model.hierarchical_time(NUMEL, 16, per_node, slow_node, slow_nic, FREE, "fp16")
+    assert checked - unchecked == pytest.approx(2 * 1e-3 + 1e-2, rel=1e-9)
+    hop = replace(FREE, hop=1e-3)
+    host_bound = model.hierarchical_time(NUMEL, 16, per_node, node, nic, hop, "fp16")
+    assert host_bound >= model.ring_time(NUMEL, per_node, node, hop, "none", check_call=False) + \
+        model.ring_time(NUMEL // per_node, 16 // per_node, nic, hop, "fp16", check_call=False)
+    assert model.ring_time(NUMEL, per_node, node, hop, "none", check_call=False) >= 2 * (per_node - 1) * 1e-3
     # one rank per node is the flat ring; one node, no traffic across
     assert model.hierarchical_time(NUMEL, 16, 1, node, nic, FREE, "fp16") == \
         pytest.approx(model.ring_time(NUMEL, 16, nic, FREE, "fp16", check_call=False))
