@@ -224,7 +224,8 @@ std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, RingOp op, 
   TORCH_CHECK(placeholder.numel() == 0 && placeholder.scalar_type() == at::kFloat,
               "gradsync: a refused call's placeholder is an empty float32 tensor");
   TORCH_CHECK(op == kAllReduce || op == kReduceScatter || op == kAllGather, "gradsync: unknown ring operation ", op);
-  Job job{placeholder, op == kReduceScatter ? placeholder : at::Tensor(), options, std::make_shared<RingWork>(placeholder)};
+  Job job{placeholder, op == kReduceScatter ? placeholder : at::Tensor(), options,
+          std::make_shared<RingWork>(placeholder)};
   job.op = op;
   job.options.residual = at::Tensor();
   job.options.after = nullptr;
@@ -617,8 +618,8 @@ void bind_ring(pybind11::module& m) {
       .def(
           "refuse",
           [](RingEngine& e, at::Tensor placeholder, int op, bool check_call, int64_t slice_bytes, std::string why) {
-            return e.refuse(std::move(placeholder), static_cast<RingOp>(op), RingOptions{0, 1.0, 1.0, check_call, slice_bytes},
-                            std::move(why));
+            return e.refuse(std::move(placeholder), static_cast<RingOp>(op),
+                            RingOptions{0, 1.0, 1.0, check_call, slice_bytes}, std::move(why));
           },
           py::arg("placeholder"), py::arg("op"), py::arg("check_call"), py::arg("slice_bytes"), py::arg("why"))
       .def("attach_nccl", &RingEngine::attach_nccl, py::arg("unique_id"), py::arg("device"), py::arg("timeout_s"),

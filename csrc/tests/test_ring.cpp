@@ -242,10 +242,11 @@ void run_rank(Hub& hub, int r, bool in_order, CpuRingKernels& kernels, const Rin
                                     : plan.layout([&](int64_t n) { return kernels.payload_bytes(n); }, offsets);
   std::vector<uint8_t> recv_image(bytes + 1), send_image(bytes + 1);
   TagLog tags(guard, kTagBase, call.direct ? 1 : ring_tag_span(plan));
-  if (call.direct) direct_allreduce(tags, kernels, call.numel, recv_image.data(), send_image.data(), kTagBase);
-  else if (call.op == kReduceScatter) ring_reduce_scatter(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
-  else if (call.op == kAllGather) ring_all_gather(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
-  else ring_allreduce(tags, kernels, plan, recv_image.data(), send_image.data(), kTagBase);
+  uint8_t *recv = recv_image.data(), *send = send_image.data();
+  if (call.direct) direct_allreduce(tags, kernels, call.numel, recv, send, kTagBase);
+  else if (call.op == kReduceScatter) ring_reduce_scatter(tags, kernels, plan, recv, send, kTagBase);
+  else if (call.op == kAllGather) ring_all_gather(tags, kernels, plan, recv, send, kTagBase);
+  else ring_allreduce(tags, kernels, plan, recv, send, kTagBase);
   const std::string problems = tags.problems() + (tags.problems().empty() ? "" : "; ") + guard.problems();
   if (!problems.empty()) throw std::logic_error(problems);
 }
@@ -388,7 +389,8 @@ void check_reduce_scatter(int ranks, int64_t chunk, Codec codec, int64_t slice, 
 void check_all_gather(int ranks, int64_t chunk, Codec codec, int64_t slice, bool in_order) {
   const int64_t numel = chunk * ranks;
   std::vector<double> unused;
-  const std::vector<std::vector<float>> parts = small_integers(ranks, chunk, static_cast<uint32_t>(chunk * 7 + ranks), unused);
+  const std::vector<std::vector<float>> parts =
+      small_integers(ranks, chunk, static_cast<uint32_t>(chunk * 7 + ranks), unused);
   std::vector<std::vector<float>> data(ranks, std::vector<float>(numel, std::nanf("")));
   for (int r = 0; r < ranks; ++r) std::copy(parts[r].begin(), parts[r].end(), data[r].begin() + r * chunk);
   Hub hub;
