@@ -525,13 +525,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
             _check_residual(residual, input, output)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
         _check_not_capturing(input, "reduce_scatter")
-    work = _submit(group, input, lambda engine: engine.reduce_scatter(
-        output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual))
-    handle = AllReduceWork(work, output)
+    handle = _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual):
+    """The call of :func:`reduce_scatter` on checked arguments and resolved scales."""
+    work = _submit(group, input, lambda engine: engine.reduce_scatter(
+        output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual))
+    return AllReduceWork(work, output)
 
 
 @_eager_under_compile

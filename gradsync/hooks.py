@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
-                          _check_member, _check_nccl_device, _check_residual, _check_scale, _issue, _refuse,
-                          _resolve_group, all_reduce, reduce_scatter, resolve_scales)
+                          _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
+                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, all_reduce,
+                          resolve_scales)
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -479,15 +480,19 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         # memory of its own, copied into the tensor by the all-gather once the ranks agree on it: a step
         # that fails before leaves the tensor as it was
         shard = tensor.new_empty(shard_numel)
+        _check_tensor(padded, "tensor", "hierarchical_average")
         if residual is not None:
             _check_residual(residual, shard, padded)
-        _check_backend(shard, "tensor", cross_group)
-        _check_nccl_device(shard, cross_group)
-        prescale, postscale = resolve_scales("avg", cross_group.size())
+        for group in (local_group, cross_group):
+            _check_backend(shard, "tensor", group)
+            _check_nccl_device(shard, group)
+        _check_not_capturing(shard, "hierarchical_average")
         made_here = [shard] + ([flat] if not tensor.is_contiguous() else []) + ([padded] if padded is not flat else [])
-        del unissued[0]  # refused by reduce_scatter itself where it raises
-        scattered = reduce_scatter(shard, padded, codec="none", group=local_group, async_op=True, check_call=check_call)
-        across = _issue(shard, codec, cross_group, prescale, postscale, check_call, residual, after=scattered)
+        scattered = _issue_reduce_scatter(shard, padded, "none", local_group, *resolve_scales("avg", per_node),
+                                          check_call, None)
+        del unissued[0]
+        across = _issue(shard, codec, cross_group, *resolve_scales("avg", cross_group.size()), check_call, residual,
+                        after=scattered)
         del unissued[0]
         gathered = _all_gather_after(padded, shard, "none", local_group, check_call, after=across)
         del unissued[0]
