@@ -94,6 +94,15 @@ class _Bucket:
                 view.copy_(grad)
             self.params[j].grad = view
 
+    @torch.no_grad()
+    def drop_views(self):
+        """Keeps copies from now on: each gradient that is a view moves into memory of its own."""
+        if self.views is not None:
+            for j, p in enumerate(self.params):
+                if self.holds(j):
+                    p.grad = p.grad.clone()
+            self.views = self.view_at = None
+
     def set_flags(self, unused):
         flags = self.buffer[self.flags_at:]
         if not unused:
@@ -263,17 +272,25 @@ def _claim(params, wrapper):
     is wrapped again (whatever was frozen since), or whose parameters it all takes over, retires: two
     sets of hooks would each average (and, with gradient_as_bucket_view, each move) the same
     gradients. One that only shares some (a tied parameter), or that runs inside the new wrapper's
-    module, keeps its hooks."""
+    module, keeps its hooks, and neither makes a shared gradient a view of its bucket: the second
+    hook would read a view the first one's call is still writing, and one end of step would leave
+    ``.grad`` a view of the bucket the other had written."""
     new = wrapper()
     ids = {id(p) for p in params}
     inside = {id(m) for m in new.module.modules()}
+    shared = {}  # an older wrapper that keeps its hooks -> the ids of the parameters both average
     for p in params:
         older = _owners.get(id(p))
         older = older() if older is not None else None
-        if older is not None and older is not new and id(older) not in inside and \
-                (older.module is new.module or older._trainable_ids <= ids):
-            older._retired = True
+        if older is not None and older is not new and not older._retired:
+            if id(older) not in inside and (older.module is new.module or older._trainable_ids <= ids):
+                older._retired = True
+            else:
+                shared.setdefault(older, set()).add(id(p))
         _owners[id(p)] = wrapper
+    for older, both in shared.items():
+        older._share(both)
+        new._share(both)
 
 
 def _drop_hint(hint):
@@ -468,7 +485,8 @@ class DataParallel(torch.nn.Module, Joinable):
       A module wrapped again while its older wrapper lives (``model = DataParallel(net)`` run
       twice) is averaged by the newer wrapper only: the older one's hooks stop and its forward
       raises. A wrapper that only shares a tied parameter with a newer one, or runs inside it,
-      keeps its hooks, as two DDPs would. ``copy.copy`` raises (use ``copy.deepcopy``).
+      keeps its hooks, as two DDPs would; the buckets of both that hold a parameter they share keep
+      copies under ``gradient_as_bucket_view``. ``copy.copy`` raises (use ``copy.deepcopy``).
     """
 
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
@@ -540,6 +558,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._broadcast(list(module.parameters()) + list(module.buffers()))
         self._buffer_layouts = [(b.shape, b.dtype) for b in module.buffers()]  # as every rank agreed
 
+        self._shared = set()  # ids of parameters another wrapper averages too: never views of a bucket
         self._make_buckets(list(reversed(params)), error_feedback)
         self._rebuilt = False  # whether the buckets follow the order of a synchronized step's gradients
         self._arrival = []  # ids of the parameters in the order their gradients arrived, until then
@@ -667,11 +686,19 @@ class DataParallel(torch.nn.Module, Joinable):
         self._checked = False  # the new buckets are checked once, as the first ones were
 
     def _add_bucket(self, params, error_feedback):
-        bucket = _Bucket(params, self._device, error_feedback, self.gradient_as_bucket_view)
+        as_views = self.gradient_as_bucket_view and not any(id(p) in self._shared for p in params)
+        bucket = _Bucket(params, self._device, error_feedback, as_views)
         for j, p in enumerate(params):
             self._bucket_of[id(p)] = bucket  # ids: a tensor's own __hash__ runs in Python
             self._index_of[id(p)] = j
         self._buckets.append(bucket)
+
+    def _share(self, ids):
+        """``ids``: parameters that another wrapper with live hooks averages too (see ``_claim``)."""
+        self._shared |= ids
+        for bucket in self._buckets:
+            if any(id(p) in ids for p in bucket.params):
+                bucket.drop_views()
 
     def _check_buffers(self, buffers):
         """Each rank broadcasts the buffers as it holds them, so they must keep the shapes and dtypes
@@ -812,11 +839,16 @@ class DataParallel(torch.nn.Module, Joinable):
             (list(self.module.parameters()), list(self.module.buffers()))
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
                 all(id(p) in self._trainable_ids for p in params if p.requires_grad):
-            if all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
+            if not all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
+                raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
+                                   "(gradient_as_bucket_view=True) changed its dtype after wrapping; cast the module "
+                                   "first, then wrap it")
+            odd = next((p for p in params if p.requires_grad and p.dtype not in FLOAT_DTYPES), None)
+            if odd is None or swaps_allowed:
                 return
-            raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
-                               "(gradient_as_bucket_view=True) changed its dtype after wrapping; cast the module "
-                               "first, then wrap it")
+            raise RuntimeError(f"gradsync.DataParallel: parameter {self._name(odd)!r} became {odd.dtype} after the "
+                               "module was wrapped (module.double(), say); gradsync averages float32, float16 and "
+                               "bfloat16 gradients")
         if swaps_allowed:
             return
         raise RuntimeError(f"gradsync.DataParallel: {self._first_change(params)} after the module was wrapped, and "

@@ -962,6 +962,13 @@ def views_at_the_edges(rank, size):
     model.module.half()
     with pytest.raises(RuntimeError, match="changed its dtype after wrapping"):
         model(x.half())
+    model = gradsync.DataParallel(make_net(), codec="none", bucket_cap_mb=BUCKET_MB)  # gradients copied
+    F.mse_loss(model(x), y).backward()
+    model.module.double()
+    with torch.no_grad():
+        model(x.double())  # a forward that trains nothing
+    with pytest.raises(RuntimeError, match="'body.0.weight' became torch.float64 after the module was wrapped"):
+        model(x.double())
 
     x4 = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
     for views in (False, True):  # module.to() after a step rebinds the data of the gradients, views included
@@ -1444,6 +1451,47 @@ def wrapped_twice(rank, size):
 
 def test_a_module_wrapped_again_is_averaged_by_the_newer_wrapper_only(worlds):
     assert all(worlds(2).run(wrapped_twice))
+
+
+def nested_views(rank, size):
+    """gradient_as_bucket_view with a wrapper running inside another: both average the inner
+    layer's gradients, as two DDPs would, and the result is DDP's. Neither makes those gradients
+    views of its bucket (the outer hook would copy a view the inner call was still writing, and the
+    later end of step would leave .grad a view of its own bucket); the outer wrapper's other buckets
+    keep theirs, as do both wrappers of a tied parameter for the parameters they do not share."""
+    grads = {}
+    for kind in ("ddp", "nested"):
+        net = make_net()
+        if kind == "ddp":
+            model = DDP(net)
+        else:
+            net.body[2] = inner = gradsync.DataParallel(net.body[2], codec="none", gradient_as_bucket_view=True)
+            model = gradsync.DataParallel(net, codec="none", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(6):
+            x, y = batch(rank, step)
+            F.mse_loss(model(x), y).backward()
+            grads.setdefault(kind, []).append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+    shared = {id(p) for p in inner.parameters()}
+    holds_shared = [any(id(p) in shared for p in b.params) for b in model._buckets]
+    views = [b.views is not None for b in model._buckets]
+    assert all(b.views is None for b in inner._buckets) and views == [not s for s in holds_shared], views
+    tied = torch.nn.Linear(4, 4)
+    first = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 4)), codec="none",
+                                  bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
+    second = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 2)), codec="none",
+                                   bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
+    for wrapper in (first, second):
+        assert [b.views is None for b in wrapper._buckets] == [any(p is tied.weight or p is tied.bias for p in b.params)
+                                                               for b in wrapper._buckets]
+    return [digest(g) for g in grads["nested"]], all(torch.equal(a, b) for a, b in zip(grads["ddp"], grads["nested"]))
+
+
+def test_nested_wrappers_with_gradient_views_average_as_ddp(worlds):
+    results = worlds(2).run(nested_views)
+    assert all(same for _, same in results) and results[0][0] == results[1][0]
 
 
 def copies(rank, size):
