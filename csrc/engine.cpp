@@ -240,6 +240,11 @@ thread_local const RingEngine* t_worker_of = nullptr;
 bool RingEngine::on_worker_thread() { return t_worker_of != nullptr; }
 bool RingEngine::on_own_worker_thread() const { return t_worker_of == this; }
 
+bool RingEngine::accepts_calls() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !stopping_ || (on_worker_thread() && !ended_);
+}
+
 std::shared_ptr<RingWork> RingEngine::submit(Job job) {
   const at::Tensor& tensor = job.tensor;
 #ifdef GRADSYNC_WITH_CUDA
@@ -257,7 +262,8 @@ std::shared_ptr<RingWork> RingEngine::submit(Job job) {
   auto work = job.work;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stopping_, "gradsync: the ring engine of this group is shut down");
+    // a call a callback issues while stop() waits runs before the worker ends: its peers' runs too
+    TORCH_CHECK(!stopping_ || (on_worker_thread() && !ended_), "gradsync: the ring engine of this group is shut down");
     queue_.push_back(std::move(job));
   }
   queue_cv_.notify_one();
@@ -271,7 +277,10 @@ void RingEngine::run() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and every issued call has run
+      if (queue_.empty()) {  // stopping, and every issued call has run
+        ended_ = true;
+        return;
+      }
       job = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -607,6 +616,7 @@ void bind_ring(pybind11::module& m) {
       .def("abandon_group", &RingEngine::abandon_group)
       .def_property_readonly("sequence", &RingEngine::sequence)
       .def_property_readonly("on_own_worker_thread", &RingEngine::on_own_worker_thread)
+      .def_property_readonly("accepts_calls", &RingEngine::accepts_calls)
       // In a forked child: the engine's thread did not survive the fork, and its mutex and condition
       // variable are as that thread left them, so stopping or destroying the engine could wait
       // forever. It is kept, untouched, for the rest of the process.

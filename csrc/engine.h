@@ -80,6 +80,9 @@ class RingEngine {
   // whether it is this engine's, which a call waited for there would wait for forever.
   static bool on_worker_thread();
   bool on_own_worker_thread() const;
+  // Whether a call the calling thread submits now runs on this engine: until stop(), and after it,
+  // from an engine's worker (a call's callback) until this engine's worker has ended.
+  bool accepts_calls();
   // How many calls this engine's group has made (earlier engines' included); read it once stopped.
   uint32_t sequence() const { return sequence_; }
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
@@ -141,6 +144,7 @@ class RingEngine {
   std::condition_variable queue_cv_;
   std::deque<Job> queue_;
   bool stopping_ = false;
+  bool ended_ = false;  // the worker ran every call and ended (stopping)
   std::string broken_;  // set once a transport failure left messages in flight
   int64_t settled_posted_ = 0;  // the transport's count of posted messages when none was last in flight
   uint32_t sequence_ = 0;

@@ -87,9 +87,17 @@ def _check_flag(value, name):
 
 
 def _check_scale(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value == 0:
+    """The float of a finite number that stays non-zero as a float (an int beyond float's range, or a
+    Fraction below it, is refused like inf and 0)."""
+    narrowed = 0.0
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            narrowed = float(value)
+        except OverflowError:
+            narrowed = math.inf
+    if not math.isfinite(narrowed) or narrowed == 0:
         raise ValueError(f"{name} must be a finite, non-zero number, got {value!r}")
-    return float(value)
+    return narrowed
 
 
 def _op_name(op):
@@ -222,7 +230,7 @@ def _check_waitable(group, async_op, caller):
     """A call waited for on its own group's thread (in a callback of that group's future) would wait
     there for itself, forever; on another group's thread, it could wait for a call queued behind one
     that waits for that thread (hierarchical_average's calls wait for each other across groups)."""
-    engine = _engines.get(group)
+    engine = _engines.get(group) or _stopping.get(group)
     if async_op or engine is None or not _C._on_engine_thread():  # a group without an engine has nothing queued
         return
     if engine.on_own_worker_thread:
@@ -243,11 +251,14 @@ def _engine(group, tensor):
                 _broken[g] = "gradsync: torch.distributed destroyed this process group"
                 _sequences.pop(g, None)
         on_engine_thread = _C._on_engine_thread()
-        # a new engine's tags would meet those of the calls shutdown() is finishing on the group
-        if engine is None and group in _stopping and on_engine_thread:  # shutdown() waits for this thread
-            raise RuntimeError("gradsync.shutdown() is finishing this group's calls: a call issued meanwhile from a "
-                               "callback would start a second engine on the group")
-        while engine is None and group in _stopping:  # a call from another thread takes its turn after them
+        # A callback's call while shutdown() finishes the group's calls runs among them, in its turn,
+        # as it does on the peers: shutdown() waits for the thread it runs on, and a new engine's tags
+        # would meet those of the calls being finished.
+        if engine is None and group in _stopping and on_engine_thread and _stopping[group].accepts_calls:
+            engine = _stopping[group]
+        # a call from another thread (or a callback's, once the engine's thread has ended, so that
+        # nothing there waits for it) takes its turn after them
+        while engine is None and group in _stopping:
             _stopped.wait()
             engine = _engines.get(group)
         if engine is None and group in _broken:  # ... as they would a failed call's late messages
@@ -382,7 +393,7 @@ def _submit(group, tensor, call):
             return call(engine)
         except RuntimeError:
             with _engines_lock:
-                stopped_meanwhile = _engines.get(group) is not engine
+                stopped_meanwhile = _engines.get(group) is not engine and not engine.accepts_calls
             if not stopped_meanwhile:
                 raise
 
@@ -444,6 +455,9 @@ def _refusal(group, tensor, checked, op, why):
 def _check_tensor(t, name, caller):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise ValueError(f"{name} is a {'nested' if t.is_nested else str(t.layout)} tensor; gradsync.{caller} takes "
+                         "dense (strided) tensors")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; gradsync.{caller} takes float32, float16 or bfloat16")
     if not t.is_contiguous():
@@ -599,7 +613,8 @@ def shutdown():
     left unusable stays so: later calls on it raise, as they did before. A call issued meanwhile
     from another thread on a group whose calls shutdown() is finishing waits for them, then starts
     a new engine (which this shutdown() leaves running) and takes its turn after them; one issued
-    from a callback on gradsync's thread raises.
+    from a callback on gradsync's thread (asynchronous, as there) runs among them, in its turn, as
+    on the ranks that did not shut down.
     """
     if _C._on_engine_thread():  # it would wait for the very call whose callback is running
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "

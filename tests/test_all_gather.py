@@ -138,6 +138,7 @@ def bad_calls(rank, size):
         (lambda: gradsync.all_gather(out, torch.empty(8)[::2]), ValueError, "input must be contiguous"),
         (lambda: gradsync.all_gather(out, x, async_op=1.5), TypeError, "async_op must be True or False"),
         (lambda: gradsync.all_gather(out, [1.0]), TypeError, "input must be a torch.Tensor"),
+        (lambda: gradsync.all_gather(out, x.view(1, 4).to_sparse_csr()), ValueError, "input is a torch.sparse_csr"),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words):

@@ -2,6 +2,7 @@
 across ranks, subgroups, async calls, and every failure path."""
 import contextlib
 import datetime
+import fractions
 import hashlib
 import itertools
 import os
@@ -792,11 +793,20 @@ def shutdown_in_a_callback(rank, size):
 
 
 def call_while_shutting_down(rank, size):
-    """A callback that issues a call on the group while shutdown() finishes the group's calls: it
-    raises, rather than start a second engine whose tags would meet the first one's. Rank 1 makes
-    its call once rank 0's shutdown() is waiting for it."""
-    seen = []
-    callback = recording_callback(seen, lambda: gradsync.all_reduce(torch.ones(4)))
+    """A callback that issues calls on the group while rank 0's shutdown() finishes the group's
+    calls: they run among them, in their turn, as rank 1's do (rank 1 does not shut down then).
+    One waited for there is refused, and takes its turn: rank 1's raises naming rank 0. Before, both
+    raised on rank 0 without taking their turn, and rank 1's calls paired with rank 0's next ones:
+    same shapes, wrong sums. Rank 1 makes its calls once rank 0's shutdown() is waiting for them."""
+    seen, sums = [], []
+
+    def issue_two():
+        with contextlib.suppress(RuntimeError):
+            gradsync.all_reduce(torch.ones(4))  # waited for on the group's thread: refused
+            seen.append("the waited call was not refused")
+        c = torch.full((4,), 10.0)
+        sums.append((c, gradsync.all_reduce(c, op="sum", async_op=True)))
+    callback = recording_callback(seen, issue_two)
     if rank == 0:
         gradsync.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
         stopper = threading.Thread(target=gradsync.shutdown)
@@ -806,20 +816,31 @@ def call_while_shutting_down(rank, size):
             time.sleep(0.001)
         dist.barrier()
         stopper.join(30)
-        assert not stopper.is_alive()
+        assert not stopper.is_alive() and not gradsync.distributed._stopping
+        c, work = sums[0]
+        assert work.is_completed()  # shutdown() finished it
+        work.wait()
     else:
         dist.barrier()
         gradsync.all_reduce(torch.ones(4))
+        try:
+            gradsync.all_reduce(torch.ones(4))
+            seen.append("no error")
+        except ValueError as e:
+            seen.append(str(e))
+        c = torch.full((4,), 20.0)
+        gradsync.all_reduce(c, op="sum")
         gradsync.shutdown()
-    x = torch.ones(4)
+    x = torch.full((4,), 100.0 * (rank + 1))
     gradsync.all_reduce(x, op="sum")  # a new engine on each rank
-    return seen, x.tolist()
+    return seen, c.tolist(), x.tolist()
 
 
-def test_a_call_while_shutdown_finishes_the_groups_calls_raises(worlds):
-    (seen, x), (_, y) = worlds(2).run(call_while_shutting_down)
-    assert len(seen) == 1 and "gradsync.shutdown() is finishing this group's calls" in seen[0], seen
-    assert x == y == [2.0] * 4
+def test_calls_from_a_callback_while_shutdown_finishes_the_groups_calls_take_their_turn(worlds):
+    (seen0, c0, x0), (seen1, c1, x1) = worlds(2).run(call_while_shutting_down)
+    assert seen0 == ["no error"], seen0
+    assert len(seen1) == 1 and "group rank(s) 0 could not prepare the call" in seen1[0], seen1
+    assert c0 == c1 == [30.0] * 4 and x0 == x1 == [300.0] * 4
 
 
 def call_from_a_thread_while_shutting_down(rank, size):
@@ -1089,6 +1110,12 @@ def test_scales():
             resolve_scales(other, 4)
     with pytest.raises(ValueError, match="prescale must be a finite, non-zero number"):
         resolve_scales("avg", 4, prescale=0.0)
+    # numbers beyond a float's range are refused as inf and 0 are (not an OverflowError, a ZeroDivisionError)
+    for kwargs in (dict(prescale=10**400), dict(postscale=-(2**1024)), dict(prescale=fractions.Fraction(1, 3**1000)),
+                   dict(postscale=fractions.Fraction(1, 3**1000))):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a finite, non-zero number"):
+            resolve_scales("avg", 4, **kwargs)
+    assert resolve_scales("sum", 4, prescale=fractions.Fraction(1, 4), postscale=4) == (0.25, 4.0)
     # a pre-multiplied sum (FSDP2's after set_gradient_divide_factor), its factor a number or a tensor
     premul = dist._make_nccl_premul_sum  # ReduceOp.PREMUL_SUM(factor) on recent torch
     assert resolve_scales(premul(0.25), 8) == (0.25, 1.0)
@@ -1117,6 +1144,9 @@ def test_scales():
     (lambda: gradsync.all_reduce(torch.arange(4)), TypeError, "tensor has dtype torch.int64"),
     (lambda: gradsync.all_reduce(torch.randn(4, 4).t()), ValueError, "tensor must be contiguous"),
     (lambda: gradsync.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor"),
+    (lambda: gradsync.all_reduce(torch.ones(4).to_sparse()), ValueError, "tensor is a torch.sparse_coo tensor"),
+    (lambda: gradsync.all_reduce(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)),
+     ValueError, "tensor is a nested tensor"),
     (lambda: gradsync.all_reduce(torch.randn(4), codec="int8"), ValueError, "unknown codec 'int8'"),
     (lambda: gradsync.all_reduce(torch.randn(4)), RuntimeError, "torch.distributed to be initialized"),
     (lambda: gradsync.reduce_scatter(torch.randn(2), torch.randn(4)), RuntimeError,

@@ -164,6 +164,7 @@ def bad_calls(rank, size):
         (lambda: gradsync.reduce_scatter(torch.empty(4), x, residual=x), ValueError, "residual shares memory"),
         (lambda: gradsync.reduce_scatter(both[:4], x, residual=both[3:]), ValueError, "residual shares memory"),
         (lambda: gradsync.reduce_scatter(torch.empty(8)[::2], x), ValueError, "output must be contiguous"),
+        (lambda: gradsync.reduce_scatter(torch.empty(4), x.to_sparse()), ValueError, "input is a torch.sparse_coo"),
         (lambda: gradsync.reduce_scatter(torch.empty(4), x, async_op=1.5), TypeError, "async_op must be True or False"),
     ]
     for call, error, words in cases:
