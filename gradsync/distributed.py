@@ -61,11 +61,22 @@ class AllReduceWork:
     def __init__(self, work, tensor):
         self._work = work
         self._tensor = tensor
+        self._pid = os.getpid()
 
     def wait(self) -> None:
         """Blocks until the all-reduce is done; raises its error if it failed (see :func:`all_reduce`
         for what the tensor then holds)."""
+        if self._unfinished_in_forked_child():
+            raise RuntimeError(self._forked())
         self._work.wait()
+
+    def _unfinished_in_forked_child(self):
+        return os.getpid() != self._pid and not self._work.is_completed()
+
+    @staticmethod
+    def _forked():
+        return ("gradsync: this call was issued before fork() and had not completed: gradsync's thread that runs "
+                "it stayed in the parent, so it does not complete in the child")
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -77,6 +88,10 @@ class AllReduceWork:
         for another gradsync call (a synchronous one on a group gradsync has run calls on raises
         there: pass ``async_op=True``).
         """
+        if self._unfinished_in_forked_child():
+            future = torch.futures.Future()
+            future.set_exception(RuntimeError(self._forked()))
+            return future
         return self._work.get_future()
 
 

@@ -957,6 +957,10 @@ def lifecycle(rank, size):
     with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
         gradsync.all_reduce(torch.ones(4), group=group)
 
+    done = gradsync.all_reduce(torch.ones(4), async_op=True)
+    done.wait()
+    # rank 1 makes its part only once rank 0's child is over: in flight across the fork
+    pending = gradsync.all_reduce(torch.ones(4), async_op=True) if rank == 0 else None
     pid = os.fork()
     if pid == 0:  # the inherited default group is the parent's connections
         try:
@@ -964,6 +968,13 @@ def lifecycle(rank, size):
             code = 1
         except RuntimeError as e:
             code = 0 if "made before fork()" in str(e) else 2
+        done.wait()  # completed before the fork: as it was
+        for wait in ([pending.wait, lambda: pending.get_future().wait()] if pending is not None else []):
+            try:
+                wait()
+                code = 3
+            except RuntimeError as e:  # not a wait for the parent's thread, forever
+                code = code if "issued before fork() and had not completed" in str(e) else 4
         os._exit(code)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -976,6 +987,11 @@ def lifecycle(rank, size):
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         out["forked child"] = "hung"
+    dist.barrier()
+    if pending is not None:
+        pending.wait()
+    else:
+        gradsync.all_reduce(torch.ones(4))
     z = torch.ones(4)
     gradsync.all_reduce(z, op="sum")  # the parent's group goes on
     out["parent after the fork"] = z.tolist()
