@@ -167,7 +167,7 @@ DType dtype_of(const at::Tensor& t) {
 RingCall ring_call(const at::Tensor& t, const RingOptions& o, int64_t slice_elems, bool direct, RingOp op) {
   return RingCall{t.numel(), static_cast<int32_t>(dtype_of(t)), static_cast<int32_t>(o.codec),
                   static_cast<float>(o.prescale), static_cast<float>(o.postscale), slice_elems, direct ? 1 : 0,
-                  op, 0};
+                  op, 0, o.layout};
 }
 void check_residual(const at::Tensor& input, const RingOptions& options) {
   if (options.residual.defined()) {
@@ -638,13 +638,14 @@ void bind_ring(pybind11::module& m) {
           "all_reduce",
           [](RingEngine& e, at::Tensor tensor, int64_t codec, double prescale, double postscale, bool check_call,
              int64_t slice_bytes, std::optional<at::Tensor> residual, int64_t direct_bytes,
-             std::shared_ptr<RingWork> after) {
+             std::shared_ptr<RingWork> after, int32_t layout) {
             return e.all_reduce(std::move(tensor), RingOptions{codec, prescale, postscale, check_call, slice_bytes,
-                                                               residual.value_or(at::Tensor()), direct_bytes, after});
+                                                               residual.value_or(at::Tensor()), direct_bytes, after,
+                                                               layout});
           },
           py::arg("tensor"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"), py::arg("check_call"),
           py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("direct_bytes") = 0,
-          py::arg("after") = py::none())
+          py::arg("after") = py::none(), py::arg("layout") = 0)
       .def(
           "all_gather",
           [](RingEngine& e, at::Tensor output, at::Tensor input, int64_t codec, bool check_call, int64_t slice_bytes,
@@ -657,13 +658,13 @@ void bind_ring(pybind11::module& m) {
       .def(
           "reduce_scatter",
           [](RingEngine& e, at::Tensor output, at::Tensor input, int64_t codec, double prescale, double postscale,
-             bool check_call, int64_t slice_bytes, std::optional<at::Tensor> residual) {
+             bool check_call, int64_t slice_bytes, std::optional<at::Tensor> residual, int32_t layout) {
             return e.reduce_scatter(std::move(output), std::move(input),
                                     RingOptions{codec, prescale, postscale, check_call, slice_bytes,
-                                                residual.value_or(at::Tensor()), 0});
+                                                residual.value_or(at::Tensor()), 0, nullptr, layout});
           },
           py::arg("output"), py::arg("input"), py::arg("codec"), py::arg("prescale"), py::arg("postscale"),
-          py::arg("check_call"), py::arg("slice_bytes"), py::arg("residual") = py::none());
+          py::arg("check_call"), py::arg("slice_bytes"), py::arg("residual") = py::none(), py::arg("layout") = 0);
 }
 
 }  // namespace gradsync

@@ -57,6 +57,7 @@ struct RingOptions {
   // A call of another group's engine whose result this one reads: the call starts once it is done
   // (on the device too), and takes its turn as a call this rank could not prepare if it failed.
   std::shared_ptr<RingWork> after;
+  int32_t layout = 0;  // RingCall::layout
 };
 
 class RingEngine {

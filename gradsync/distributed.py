@@ -369,6 +369,13 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
     timeout passed) the tensor's and the residual's contents are unspecified, and later calls on the
     group raise.
     """
+    return _all_reduce(tensor, op, codec, group, prescale, postscale, async_op, check_call, residual)
+
+
+@_eager_under_compile
+def _all_reduce(tensor, op, codec, group, prescale, postscale, async_op, check_call, residual, layout=0):
+    """:func:`all_reduce`, the call's record carrying ``layout`` (see ``RingCall::layout``): ranks
+    whose tensors hold different things of the same size raise on every rank, with the check."""
     with _refused_on_error(group, tensor, check_call, _ALL_REDUCE):
         _check_tensor(tensor, "tensor", "all_reduce")
         _check_codec(codec)
@@ -380,14 +387,14 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "avg", codec: str = "none", gr
         _check_backend(tensor, "tensor", group)
         _check_nccl_device(tensor, group)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
-    handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual)
+    handle = _issue(tensor, codec, group, prescale, postscale, check_call, residual, layout=layout)
     if async_op:
         return handle
     handle.wait()
     return None
 
 
-def _issue(tensor, codec, group, prescale, postscale, check_call, residual, after=None):
+def _issue(tensor, codec, group, prescale, postscale, check_call, residual, after=None, layout=0):
     """The call of :func:`all_reduce` on checked arguments and resolved scales, whose product may be
     any factor (gradsync.DataParallel averages over the ranks still training under ``join()``).
     ``after``: an :class:`AllReduceWork` of another group that writes ``tensor``, which the call waits
@@ -395,7 +402,7 @@ def _issue(tensor, codec, group, prescale, postscale, check_call, residual, afte
     _check_not_capturing(tensor, "all_reduce")
     work = _submit(group, tensor, lambda engine: engine.all_reduce(
         tensor, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, tensor), residual,
-        DIRECT_BYTES, after._work if after is not None else None))
+        DIRECT_BYTES, after._work if after is not None else None, layout))
     return AllReduceWork(work, tensor)
 
 
@@ -547,6 +554,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     for :func:`all_reduce`. ``input`` is only read; ``output`` may be this rank's own chunk of it
     (in place), or memory of its own.
     """
+    return _reduce_scatter(output, input, op, codec, group, prescale, postscale, async_op, check_call, residual)
+
+
+@_eager_under_compile
+def _reduce_scatter(output, input, op, codec, group, prescale, postscale, async_op, check_call, residual, layout=0):
+    """:func:`reduce_scatter` with a ``layout``, as :func:`_all_reduce`."""
     with _refused_on_error(group, input, check_call, _REDUCE_SCATTER):
         group, async_op, check_call = _check_chunked_call(output, input, codec, group, async_op, check_call,
                                                           "reduce_scatter")
@@ -554,17 +567,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
             _check_residual(residual, input, output)
         prescale, postscale = resolve_scales(op, group.size(), prescale, postscale)
         _check_not_capturing(input, "reduce_scatter")
-    handle = _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual)
+    handle = _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual, layout)
     if async_op:
         return handle
     handle.wait()
     return None
 
 
-def _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual):
+def _issue_reduce_scatter(output, input, codec, group, prescale, postscale, check_call, residual, layout=0):
     """The call of :func:`reduce_scatter` on checked arguments and resolved scales."""
     work = _submit(group, input, lambda engine: engine.reduce_scatter(
-        output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual))
+        output, input, _CODEC_IDS[codec], prescale, postscale, bool(check_call), _slice_bytes(engine, input), residual,
+        layout))
     return AllReduceWork(work, output)
 
 

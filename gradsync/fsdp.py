@@ -23,11 +23,12 @@ modules' parameter groups reads FSDP2's private state too):
                                      error_feedback=True)
 """
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
 
-from .distributed import _check_flag, _op_factor, all_reduce, reduce_scatter
+from .distributed import _all_reduce, _check_flag, _op_factor, _reduce_scatter
 from .ops import FLOAT_DTYPES, _check_codec
 
 try:
@@ -47,7 +48,9 @@ class ReduceScatter(_ReduceScatterComm):
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once), and every call once there have been several layouts (a layout
-    that depends on each rank's batch). ``error_feedback``: keep, per layout, the fp32 residual of what
+    that depends on each rank's batch). A layout is the buffer's size and, once
+    :func:`compress_reduce_scatter` has told the instance the module's parameters, which of them the
+    buffer holds: two ranks that routed their batches to different experts of one size raise. ``error_feedback``: keep, per layout, the fp32 residual of what
     this rank's encodings lost and add it to the next step's gradients (see
     :func:`gradsync.all_reduce`); give each FSDP module an instance of its own, and make FSDP2
     reduce-scatter every parameter in every step (``set_reduce_scatter_unused_params(True)``), as
@@ -85,7 +88,8 @@ class ReduceScatter(_ReduceScatterComm):
         except (ValueError, AttributeError, RuntimeError):
             raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
         _check_reduce_dtype(input_tensor.dtype, "ReduceScatter")
-        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor)
+        layout = _layout(self._param_groups)
+        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor, layout)
         residual = None
         if self.error_feedback:
             held = key + (_trainable(self._param_groups),)
@@ -94,8 +98,9 @@ class ReduceScatter(_ReduceScatterComm):
                 residual = self._residuals[held] = torch.zeros(input_tensor.numel(), dtype=torch.float32,
                                                                device=input_tensor.device)
         layouts = self._layouts.setdefault(group, _Layouts())  # a separate reduce-scatter group checks its own
-        work = reduce_scatter(output_tensor, input_tensor, op=op, codec=self.codec, group=group, async_op=True,
-                              check_call=layouts.needs_check(key), residual=residual)
+        work = _reduce_scatter(output_tensor, input_tensor, op=op, codec=self.codec, group=group, prescale=None,
+                               postscale=None, async_op=True, check_call=layouts.needs_check(key), residual=residual,
+                               layout=layout)
         if async_op:  # checked again next time: whether this one succeeded is known at its wait()
             return work
         work.wait()
@@ -138,15 +143,16 @@ class ReplicaAllReduce:
 
     def __call__(self, shard: torch.Tensor) -> None:
         _check_reduce_dtype(shard.dtype, "ReplicaAllReduce")
-        key = (shard.numel(), shard.dtype, shard.device)
+        layout = _layout(self._param_groups)
+        key = (shard.numel(), shard.dtype, shard.device, layout)
         residual = None
         if self.error_feedback:
             held = key + (_trainable(self._param_groups),)
             residual = self._residuals.get(held)
             if residual is None:
                 residual = self._residuals[held] = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
-        all_reduce(shard, op=self.op, codec=self.codec, group=self.group, check_call=self._layouts.needs_check(key),
-                   residual=residual)
+        _all_reduce(shard, op=self.op, codec=self.codec, group=self.group, prescale=None, postscale=None,
+                    async_op=False, check_call=self._layouts.needs_check(key), residual=residual, layout=layout)
         self._layouts.add(key)
 
 
@@ -194,9 +200,44 @@ def _trainable(param_groups):
     a call takes. Under error feedback every parameter is reduce-scattered in every step, but FSDP2
     leaves out the frozen ones: after one layer is frozen and another of its size unfrozen (a
     fine-tuning schedule), the same size would otherwise take the first layer's residual. (Read at
-    each call: loading a state dict with assign=True gives FSDP2 new parameters.) Not part of the
-    layout the ranks check: a flag that differs on one rank must not make that rank alone check."""
+    each call: loading a state dict with assign=True gives FSDP2 new parameters.) Where the module's
+    parameters are known, the layout itself (which parameters were reduced) tells them apart too."""
     return tuple(fp.sharded_param.requires_grad for g in param_groups for fp in getattr(g, "fsdp_params", ()))
+
+
+def _note_reduced_parameters(param_groups):
+    """Makes each parameter group note, as its ``post_backward`` begins, which of its parameters that
+    ``post_backward`` reduce-scatters, deciding as it does: those with a gradient (accumulated or
+    not) and, under ``set_reduce_scatter_unused_params``, every one requiring it. Without error
+    feedback that depends on each rank's batch (the experts a rank routed to), and buffers of the
+    same size can hold different parameters: the calls' records carry it (see :func:`_layout`)."""
+    for g in param_groups:
+        if "_gradsync_reduced" in g.__dict__:
+            continue
+        g._gradsync_reduced = None
+        original = g.post_backward
+
+        def post_backward(*args, _group=g, _original=original):
+            _group._gradsync_reduced = tuple(_reduced(_group, fp) for fp in getattr(_group, "fsdp_params", ()))
+            return _original(*args)
+        g.post_backward = post_backward
+
+
+def _reduced(group, fsdp_param):
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return False
+    param = fsdp_param.unsharded_param
+    return (getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or param.grad is not None or
+            (bool(getattr(group, "reduce_scatter_unused_params", False)) and param.requires_grad))
+
+
+def _layout(param_groups):
+    """The fingerprint of which parameters a call's buffer holds (``RingCall::layout``), as the
+    groups' last ``post_backward`` noted; 0 where that is not known (an instance made by hand)."""
+    noted = tuple(getattr(g, "_gradsync_reduced", None) for g in param_groups)
+    if not noted or any(n is None for n in noted):
+        return 0
+    return zlib.crc32(repr(noted).encode()) % 0x7FFFFFFF + 1
 
 
 def _fsdp_modules(module: torch.nn.Module, caller: str):
@@ -281,6 +322,7 @@ def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, err
     comms = [ReduceScatter(codec, error_feedback=error_feedback) for _ in found]  # bad arguments change nothing
     _reduce_every_parameter(found, "compress_reduce_scatter", comms[0].error_feedback)
     for (m, groups), comm in zip(found, comms):
+        _note_reduced_parameters(groups)
         comm._param_groups = groups
         m.set_custom_reduce_scatter(comm)
     return len(found)
@@ -309,6 +351,7 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
     _check_replica_group(found, group)
     _reduce_every_parameter(found, "compress_replica_all_reduce", hooks[0].error_feedback)
     for (m, groups), hook in zip(found, hooks):
+        _note_reduced_parameters(groups)
         hook._param_groups = groups
         m.set_all_reduce_hook(hook)
     return len(found)

@@ -381,14 +381,14 @@ def fsdp_checks(rank, size):
     from gradsync import fsdp
 
     calls = []
-    real = fsdp.reduce_scatter, fsdp.all_reduce
+    real = fsdp._reduce_scatter, fsdp._all_reduce
 
     def recorded(kind, fn):
         def call(*args, **kwargs):
             calls.append((kind, kwargs["check_call"]))
             return fn(*args, **kwargs)
         return call
-    fsdp.reduce_scatter, fsdp.all_reduce = recorded("rs", real[0]), recorded("ar", real[1])
+    fsdp._reduce_scatter, fsdp._all_reduce = recorded("rs", real[0]), recorded("ar", real[1])
     try:
         group, avg = dist.group.WORLD, dist.ReduceOp.AVG
         scatter, replicas = fsdp.ReduceScatter("fp16"), fsdp.ReplicaAllReduce(group, "fp16")
@@ -403,7 +403,7 @@ def fsdp_checks(rank, size):
         for _ in range(2):
             replicas(torch.randn(5))
     finally:
-        fsdp.reduce_scatter, fsdp.all_reduce = real
+        fsdp._reduce_scatter, fsdp._all_reduce = real
     return calls
 
 
@@ -479,12 +479,13 @@ def expert_steps(rank, size, switch, hook):
         model(x, "b" if switch == "forward" else "both").pow(2).sum().mul(1e-3).backward()
         grad = model.b.weight.grad
         out.append((grad.full_tensor() if hook == "scatter" else grad.to_local()).clone())
-    # one layout checked across the ranks (which parameters require gradients is not part of it:
-    # a rank alone whose flags differ must not check alone), a residual per set of them
+    # a layout checked across the ranks per set of parameters reduced (under error feedback those
+    # that require gradients), and a residual per set
     group = model._get_fsdp_state()._fsdp_param_group
     ours = group._reduce_scatter_comm if hook == "scatter" else group._all_reduce_hook
     layouts = list(ours._layouts.values())[0] if hook == "scatter" else ours._layouts
-    assert len(layouts._seen) == 1 and len(ours._residuals) == (2 if switch == "freeze" else 1)
+    sets = 2 if switch == "freeze" else 1
+    assert len(layouts._seen) == sets and len(ours._residuals) == sets
     return out
 
 
@@ -497,6 +498,41 @@ def test_fsdp2_error_feedback_keeps_each_residual_with_its_parameter(worlds, swi
     pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
     for reference, got in worlds(2).run(expert_steps, switch, hook):
         assert float((got - reference).norm() / reference.norm()) < 0.1
+
+
+def routed_experts(rank, size, hook):
+    """Without error feedback FSDP2 reduce-scatters only the parameters that got a gradient: after a
+    step with both experts and one with expert a everywhere, rank 0 routes to a alone and rank 1 to
+    b alone, buffers of one size holding different parameters. Each rank's error (or "no error")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,)) if hook == "scatter" else \
+        init_device_mesh("cpu", (size, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = fully_shard(TwoExperts(), mesh=mesh if hook == "scatter" else mesh["shard"])
+    if hook == "scatter":
+        fsdp.compress_reduce_scatter(model, "fp16")
+    else:
+        fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group(), "fp16")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for use in ("both", "a", "a" if rank == 0 else "b"):
+        model.zero_grad(set_to_none=True)
+        try:
+            model(x, use).pow(2).sum().backward()
+        except ValueError as e:
+            return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("hook", ["scatter", "replicas"])
+def test_fsdp2_ranks_that_reduce_different_parameters_of_one_size_raise(worlds, hook):
+    # before, the check compared sizes only: rank 0's a and rank 1's b were averaged into each other
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    for message in worlds(2).run(routed_experts, hook):
+        assert "the ranks disagree on the call" in message and "(which tensors the buffer holds)" in message, message
 
 
 def replica_group_misuse(rank, size):

@@ -164,6 +164,7 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
          << dtype_name(c.dtype) << ", codec " << codec_name(c.codec) << ", prescale " << c.prescale << ", postscale "
          << c.postscale << ", slices of " << c.slice_elems << " elements, schedule " << (c.direct ? "direct" : "ring")
          << ", operation " << op_name(c.op);
+    if (c.layout) diff << ", layout " << c.layout << " (which tensors the buffer holds)";
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {

@@ -128,7 +128,10 @@ struct RingCall {
   int32_t direct;  // 1: direct_allreduce, 0: the ring
   int32_t op;  // a RingOp
   int32_t unprepared;  // 1: this rank could not prepare the call (its workspaces, say) and raises why
-  int32_t padding = 0;  // records are compared bytewise: no byte of one is left undefined
+  // The caller's fingerprint of what the buffer holds beyond its size (gradsync.fsdp: which of the
+  // module's parameters), 0 for none. Also the record's last bytes: records are compared bytewise,
+  // so no byte of one is left undefined.
+  int32_t layout = 0;
 };
 static_assert(sizeof(RingCall) == 48, "RingCall has implicit padding");
 

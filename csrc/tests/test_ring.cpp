@@ -629,8 +629,9 @@ int main() {
   // a disagreeing rank makes every rank throw, and agreeing ones none, in direct and in ring
   // exchanges, with either matching
   for (int ranks : {2, 3, kDirectExchangeRanks, kDirectExchangeRanks + 1, 11}) {
-    // everyone agrees; rank 1's numel differs; its schedule does; it could not prepare the call
-    for (int variant = 0; variant < 8; ++variant) {
+    // everyone agrees; rank 1's numel differs; its schedule does; it could not prepare the call; its
+    // layout differs
+    for (int variant = 0; variant < 10; ++variant) {
       const bool in_order = variant & 1, disagree = variant >> 1;
       Hub hub;
       std::vector<std::thread> threads;
@@ -641,9 +642,14 @@ int main() {
           try {
             const bool odd = r == 1;
             check_ring_call(transport, RingCall{variant >> 1 == 1 && odd ? 11 : 10, 0, 1, 1.0f, 1.0f, 256,
-                                                variant >> 1 == 2 && odd, 0, variant >> 1 == 3 && odd}, 0);
+                                                variant >> 1 == 2 && odd, 0, variant >> 1 == 3 && odd,
+                                                variant >> 1 == 4 && odd ? 7 : 5}, 0);
           } catch (const std::invalid_argument& e) {
-            threw[r] = variant >> 1 != 3 || std::string(e.what()).find("rank(s) 1 could not prepare") != std::string::npos;
+            const std::string what = e.what();
+            threw[r] = variant >> 1 == 3 ? what.find("rank(s) 1 could not prepare") != std::string::npos
+                       : variant >> 1 == 4 ? what.find("group rank 1 has numel 10") != std::string::npos &&
+                                                 what.find("layout 7 (which tensors") != std::string::npos
+                                           : 1;
           }
         });
       }
