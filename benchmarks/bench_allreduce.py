@@ -354,6 +354,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
+    common.check_launched(parser)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.set_num_threads(1)
     n, rank = dist.get_world_size(), dist.get_rank()

@@ -14,6 +14,7 @@ With many small layers (``--params 2e6 --layers 500``: 1,000 parameter tensors) 
 each wrapper's cost per parameter instead.
 """
 import argparse
+import math
 import contextlib
 import functools
 import os
@@ -117,11 +118,12 @@ def main():
     args = parser.parse_args()
     if args.layers < 1 or args.batch < 1:
         parser.error(f"--layers and --batch must be at least 1, got {args.layers} and {args.batch}")
-    if not args.params >= args.layers:  # a layer of width w has about w * w parameters
-        parser.error(f"--params must be at least --layers ({args.layers}), got {args.params}")
+    if not args.layers <= args.params < math.inf:  # a layer of width w has about w * w parameters
+        parser.error(f"--params must be at least --layers ({args.layers}) and finite, got {args.params}")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the modes alternate over two passes), got {args.steps}")
     common.check_output_folders(parser, args, "--json")
+    common.check_launched(parser)
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

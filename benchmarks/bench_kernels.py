@@ -144,7 +144,7 @@ def main():
     parser.add_argument("--cases", nargs="*", help="only cases whose name contains one of these (gpt2, resnet50, "
                         "buffer-64MB, ...)")
     parser.add_argument("--json", help="write the rows as JSON here")
-    parser.add_argument("--plot", help="write a PNG of GB/s vs size here")
+    parser.add_argument("--plot", help="write a PNG of GB/s vs size of the single buffers here")
     args = parser.parse_args()
     try:
         device = torch.device(args.device)
@@ -162,7 +162,6 @@ def main():
         parser.error(f"--max-mb must be at least 4 (the smallest single buffer), got {args.max_mb}")
     max_mb = args.max_mb or (1024 if device.type == "cuda" else 256)
     common.check_output_folders(parser, args, "--json", "--plot")
-
     cases = [("gpt2-124M", shapes.gpt2_small()), ("resnet50", shapes.resnet50())]
     if not args.sets_only:
         mb = 4
@@ -173,6 +172,9 @@ def main():
         cases = [(name, shapes_) for name, shapes_ in cases if any(c in name for c in args.cases)]
         if not cases:
             parser.error(f"no case matches --cases {' '.join(args.cases)}")
+    if args.plot and not any(name.startswith("buffer") for name, _ in cases):
+        parser.error("--plot draws the single buffers (buffer-4MB, ...), and none is selected: leave out --sets-only, "
+                     "or add one to --cases")
     largest = max(sum(math.prod(s) for s in shape_list) for _, shape_list in cases)
     copy_rate = copy_gbps(largest, device)  # what gradsync.model reads: a copy too large for any cache
     title = (f"gradsync kernels on {common.machine_description(device)}; CPU kernels: {gradsync._C.cpu_isa()}; "

@@ -125,6 +125,15 @@ def check_output_folders(parser, args, *options):
             parser.error(f"{option} {path}: {problem}")
 
 
+def check_launched(parser):
+    """A usage error, not torch's traceback, for a script started without torchrun (which sets the
+    variables a process group starts from)."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        parser.error(f"start it with torchrun (torchrun --nproc-per-node N {parser.prog} ...): "
+                     f"{', '.join(missing)} not set")
+
+
 def write_json(path, title, rows, meta):
     """Writes whole or not at all: a run stopped while writing leaves the last complete file."""
     with open(f"{path}.partial", "w") as f:

@@ -762,8 +762,14 @@ def main():
             held_out = _load_json(args.latencies_from) if args.latencies_from else None
             latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
             rows = validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)
-        except (OSError, ValueError, KeyError) as error:  # json's errors are ValueErrors
+        except (OSError, ValueError) as error:  # json's errors are ValueErrors
             parser.error(f"{type(error).__name__}: {error}")
+        except (KeyError, TypeError, AttributeError) as error:  # a JSON of another kind
+            parser.error("a file is not of the kind its option reads (--validate and --latencies-from: netem report "
+                         "JSON, benchmarks/netem/report.py; --kernels: bench_kernels.py JSON; --loopback: "
+                         f"bench_allreduce.py JSON): {type(error).__name__}: {error}")
+        if not rows:
+            parser.error(f"--min-bytes {args.min_bytes} leaves no row of {args.validate} to validate")
         source = f" in {os.path.basename(args.latencies_from)}" if held_out else \
             f" in this run's rows of {LATENCY_BOUND_BYTES >> 10} KB or less (so those rows are in-sample)"
         print(f"# model vs emulated cluster ({netem['meta']['ranks']} hosts); hop latency measured{source}: "
@@ -773,8 +779,11 @@ def main():
     try:
         cpu = cpu_kernels(args.kernels) if os.path.exists(args.kernels) else None
         gpu = gpu_kernels(args.gpu_kernels, args.nccl_hop) if args.gpu_kernels else GPU_ASSUMED
-    except (OSError, ValueError, KeyError) as error:  # json's errors are ValueErrors
+    except (OSError, ValueError) as error:  # json's errors are ValueErrors
         parser.error(f"{type(error).__name__}: {error}")
+    except (KeyError, TypeError, AttributeError) as error:  # a JSON of another kind
+        parser.error("a file is not of the kind its option reads (--kernels and --gpu-kernels: bench_kernels.py "
+                     f"JSON; --nccl-hop: bench_nccl_hop.py JSON): {type(error).__name__}: {error}")
     if cpu is None:
         print(f"# no CPU kernel costs ({args.kernels} does not exist): the tables leave out the host codecs")
     print(projection_tables(gpu, bucket_mbs=args.bucket_mb, cpu=cpu))

@@ -1,4 +1,5 @@
 """python -m gradsync.report: what this gradsync was built with and what it runs on."""
+import argparse
 import platform
 
 import torch
@@ -36,4 +37,5 @@ def report():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(prog="python -m gradsync.report", description=__doc__.partition(": ")[2]).parse_args()
     print(report())

@@ -35,6 +35,9 @@ def test_report_names_versions_and_devices(tmp_path):
     for words in (gradsync.__version__, "build flavour", "CUDA compiled for", "NCCL linked", "torch built against",
                   "torch running", torch.__version__, "GPUs"):
         assert words in result.stdout
+    result = subprocess.run([sys.executable, "-m", "gradsync.report", "--bogus"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)  # it takes no options: a usage error, not the report
+    assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr, result.stderr
 
 
 def test_cpu_kernels_use_torchs_intra_op_threads():

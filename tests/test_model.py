@@ -448,9 +448,15 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     (["--validate", "not_json.json", "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON], "JSONDecodeError"),
     (["--validate", KERNELS_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
      "KeyError: 'ranks'"),  # a kernels run where a netem report belongs
+    (["--validate", LOOPBACK_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
+     "--validate and --latencies-from: netem report JSON"),  # a loopback run where a netem report belongs
+    (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON, "--min-bytes", str(2**40)],
+     "leaves no row of"),
+    (["--gpu-kernels", "list.json"], "--kernels and --gpu-kernels: bench_kernels.py JSON"),
 ])
 def test_the_command_line_refuses_bad_arguments_as_usage_errors(tmp_path, argv, says):
     (tmp_path / "not_json.json").write_text("size time\n")
+    (tmp_path / "list.json").write_text("[]\n")
     out = subprocess.run([sys.executable, "-m", "gradsync.model", *argv],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

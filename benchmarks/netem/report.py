@@ -127,7 +127,20 @@ def main():
     parser.add_argument("runs", nargs="+", help="rate-<rate>.json files written by run.sh")
     args = parser.parse_args()
     common.check_output_folders(parser, args, "--out")
-    rows, meta = load(args.runs)
+    for path in args.runs:
+        name = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))
+        if not name:
+            parser.error(f"{path}: run.sh names its runs rate-<rate>.json (rate-1gbit.json), whose rate this reads")
+        try:
+            rate_bps(name[1])
+        except ValueError as error:
+            parser.error(f"{path}: {error}")
+        if not os.path.isfile(path):
+            parser.error(f"{path} does not exist")
+    try:
+        rows, meta = load(args.runs)
+    except (ValueError, KeyError, TypeError) as error:  # json's errors are ValueErrors
+        parser.error(f"cannot read the runs as bench_allreduce.py JSON written by run.sh: {type(error).__name__}: {error}")
     targets = check_targets(rows)
     meta = dict(meta, date=datetime.date.today().isoformat(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
                 shaper="tc tbf on each host's egress, one Linux bridge")
