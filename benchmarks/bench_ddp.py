@@ -14,9 +14,9 @@ With many small layers (``--params 2e6 --layers 500``: 1,000 parameter tensors) 
 each wrapper's cost per parameter instead.
 """
 import argparse
-import math
 import contextlib
 import functools
+import math
 import os
 import statistics
 import sys

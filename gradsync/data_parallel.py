@@ -264,7 +264,7 @@ def _on_grad(wrapper, param):
         wrapper._on_grad(param)
 
 
-_owners = {}  # id of a parameter -> the weak reference of the newest wrapper that averages it
+_owners = {}  # id of a parameter -> weak references of the wrappers that average it, oldest first
 
 
 def _claim(params, wrapper):
@@ -280,14 +280,14 @@ def _claim(params, wrapper):
     inside = {id(m) for m in new.module.modules()}
     shared = {}  # an older wrapper that keeps its hooks -> the ids of the parameters both average
     for p in params:
-        older = _owners.get(id(p))
-        older = older() if older is not None else None
-        if older is not None and older is not new and not older._retired:
+        live = [(ref, ref()) for ref in _owners.get(id(p), ()) if ref is not wrapper]
+        live = [(ref, older) for ref, older in live if older is not None and not older._retired]
+        for _, older in live:
             if id(older) not in inside and (older.module is new.module or older._trainable_ids <= ids):
                 older._retired = True
             else:
                 shared.setdefault(older, set()).add(id(p))
-        _owners[id(p)] = wrapper
+        _owners[id(p)] = [ref for ref, older in live if not older._retired] + [wrapper]
     for older, both in shared.items():
         older._share(both)
         new._share(both)
@@ -300,8 +300,11 @@ def _drop_hint(hint):
 
 def _release(ids, wrapper):
     for i in ids:
-        if _owners.get(i) is wrapper:
-            del _owners[i]
+        refs = [ref for ref in _owners.get(i, ()) if ref is not wrapper]
+        if refs:
+            _owners[i] = refs
+        else:
+            _owners.pop(i, None)
 
 
 def _signature(module, settings):

@@ -200,6 +200,9 @@ def _check_residual(residual, tensor, *others):
     memory with."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if residual.is_nested or residual.layout != torch.strided:
+        raise ValueError("residual must be a contiguous float32 tensor, got a "
+                         f"{'nested' if residual.is_nested else str(residual.layout)} one")
     if residual.dtype != torch.float32:
         raise ValueError(f"residual must be a contiguous float32 tensor, got {residual.dtype}")
     if not residual.is_contiguous():
@@ -301,7 +304,7 @@ def _engine(group, tensor):
 
 def _check_nccl_device(tensor, group):
     """A CUDA tensor on the device of the group's gradsync NCCL communicator, where there is one."""
-    engine = _engines.get(group)
+    engine = _engines.get(group) or _stopping.get(group)
     if tensor.is_cuda and engine is not None and 0 <= engine.nccl_device != tensor.device.index:
         raise ValueError(f"tensor is on {tensor.device}, but this rank's gradsync NCCL communicator for the group "
                          f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
@@ -454,7 +457,7 @@ def _refusal(group, tensor, checked, op, why):
     group = _resolve_group(group)
     if group.size() == 1:
         return None
-    engine = _engines.get(group)
+    engine = _engines.get(group) or _stopping.get(group)
     cuda_tensor = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
     if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
         if engine is not None and engine.nccl_device >= 0:

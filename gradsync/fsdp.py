@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import _all_reduce, _check_flag, _op_factor, _reduce_scatter
-from .ops import FLOAT_DTYPES, _check_codec
+from .ops import FLOAT_DTYPES, _check_codec, _eager_under_compile
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterComm
@@ -50,8 +50,9 @@ class ReduceScatter(_ReduceScatterComm):
     hooks check each bucket once), and every call once there have been several layouts (a layout
     that depends on each rank's batch). A layout is the buffer's size and, once
     :func:`compress_reduce_scatter` has told the instance the module's parameters, which of them the
-    buffer holds: two ranks that routed their batches to different experts of one size raise. ``error_feedback``: keep, per layout, the fp32 residual of what
-    this rank's encodings lost and add it to the next step's gradients (see
+    buffer holds: two ranks that routed their batches to different experts of one size raise.
+    ``error_feedback``: keep, per layout, the fp32 residual of what this rank's encodings lost and
+    add it to the next step's gradients (see
     :func:`gradsync.all_reduce`); give each FSDP module an instance of its own, and make FSDP2
     reduce-scatter every parameter in every step (``set_reduce_scatter_unused_params(True)``), as
     :func:`compress_reduce_scatter` does: FSDP2 otherwise leaves out the parameters that got no
@@ -201,7 +202,9 @@ def _trainable(param_groups):
     leaves out the frozen ones: after one layer is frozen and another of its size unfrozen (a
     fine-tuning schedule), the same size would otherwise take the first layer's residual. (Read at
     each call: loading a state dict with assign=True gives FSDP2 new parameters.) Where the module's
-    parameters are known, the layout itself (which parameters were reduced) tells them apart too."""
+    parameters are known, the layout the ranks check (which parameters were reduced) tells them
+    apart too; a rank alone whose flags differ then brings a layout of its own, which it alone may
+    check (it fails at the group's timeout), rather than sum other parameters into its own."""
     return tuple(fp.sharded_param.requires_grad for g in param_groups for fp in getattr(g, "fsdp_params", ()))
 
 
@@ -212,15 +215,23 @@ def _note_reduced_parameters(param_groups):
     feedback that depends on each rank's batch (the experts a rank routed to), and buffers of the
     same size can hold different parameters: the calls' records carry it (see :func:`_layout`)."""
     for g in param_groups:
-        if "_gradsync_reduced" in g.__dict__:
-            continue
-        g._gradsync_reduced = None
-        original = g.post_backward
+        if "_gradsync_reduced" not in g.__dict__:
+            g._gradsync_reduced = None
+            g.post_backward = _NotingPostBackward(g, g.post_backward)
 
-        def post_backward(*args, _group=g, _original=original):
-            _group._gradsync_reduced = tuple(_reduced(_group, fp) for fp in getattr(_group, "fsdp_params", ()))
-            return _original(*args)
-        g.post_backward = post_backward
+
+class _NotingPostBackward:
+    """A parameter group's ``post_backward`` that first notes which parameters it reduces. An object
+    rather than a closure: copies and pickles of the group take it, bound to the copy."""
+
+    def __init__(self, group, post_backward):
+        self.group, self.post_backward = group, post_backward
+
+    @_eager_under_compile  # as FSDP2's own post_backward, which Dynamo does not trace
+    def __call__(self, *args):
+        group = self.group
+        group._gradsync_reduced = tuple(_reduced(group, fp) for fp in getattr(group, "fsdp_params", ()))
+        return self.post_backward(*args)
 
 
 def _reduced(group, fsdp_param):

@@ -1170,6 +1170,8 @@ def test_scales():
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(4, dtype=torch.float16)), ValueError,
      "residual must be a contiguous float32"),
     (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(5)), ValueError, "residual must match"),
+    (lambda: gradsync.all_reduce(torch.randn(4), residual=torch.zeros(4).to_sparse()), ValueError,
+     "residual must be a contiguous float32 tensor, got a torch.sparse_coo one"),
     (lambda x=torch.randn(8): gradsync.all_reduce(x[:4], residual=x[3:7]), ValueError, "residual shares memory"),
     (lambda: gradsync.all_reduce(torch.randn(4), async_op="yes"), TypeError, "async_op must be True or False"),
     (lambda: gradsync.all_reduce(torch.randn(4), check_call=None), TypeError, "check_call must be True or False"),

@@ -1479,13 +1479,24 @@ def nested_views(rank, size):
     views = [b.views is not None for b in model._buckets]
     assert all(b.views is None for b in inner._buckets) and views == [not s for s in holds_shared], views
     tied = torch.nn.Linear(4, 4)
+
+    def shares_tied(wrapper):  # its buckets holding the tied layer keep copies, the others views
+        return [b.views is None for b in wrapper._buckets] == [any(p is tied.weight or p is tied.bias for p in b.params)
+                                                               for b in wrapper._buckets]
     first = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 4)), codec="none",
                                   bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
     second = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 2)), codec="none",
                                    bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
-    for wrapper in (first, second):
-        assert [b.views is None for b in wrapper._buckets] == [any(p is tied.weight or p is tied.bias for p in b.params)
-                                                               for b in wrapper._buckets]
+    tied_buckets = {"first": shares_tied(first), "second": shares_tied(second)}
+    # second wrapped again: it retires, and the newer wrapper shares the tied layer with first still
+    again = gradsync.DataParallel(second.module, codec="none", bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
+    tied_buckets["wrapped again"] = shares_tied(again)
+    del again, second  # the newest wrapper of the tied layer gone, a later one shares it with first still
+    gc.collect()
+    third = gradsync.DataParallel(torch.nn.Sequential(tied, torch.nn.Linear(4, 3)), codec="none",
+                                  bucket_cap_mb=1e-5, gradient_as_bucket_view=True)
+    tied_buckets["after the newest went"] = shares_tied(third) and shares_tied(first)
+    assert all(tied_buckets.values()), tied_buckets
     return [digest(g) for g in grads["nested"]], all(torch.equal(a, b) for a, b in zip(grads["ddp"], grads["nested"]))
 
 

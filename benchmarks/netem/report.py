@@ -140,7 +140,8 @@ def main():
     try:
         rows, meta = load(args.runs)
     except (ValueError, KeyError, TypeError) as error:  # json's errors are ValueErrors
-        parser.error(f"cannot read the runs as bench_allreduce.py JSON written by run.sh: {type(error).__name__}: {error}")
+        parser.error(f"cannot read the runs as bench_allreduce.py JSON written by run.sh: "
+                     f"{type(error).__name__}: {error}")
     targets = check_targets(rows)
     meta = dict(meta, date=datetime.date.today().isoformat(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
                 shaper="tc tbf on each host's egress, one Linux bridge")

@@ -1,5 +1,6 @@
 #include "ring/ring_allreduce.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <iomanip>
@@ -176,8 +177,10 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
     }
   }
   if (!diff.str().empty()) {
+    const bool layouts = std::any_of(table, table + n, [&](const RingCall& c) { return c.layout != table[0].layout; });
     throw std::invalid_argument(op + ": the ranks disagree on the call:" + diff.str() +
-                                " every rank must pass the same numel, dtype, codec and scaling");
+                                " every rank must pass the same numel, dtype, codec and scaling" +
+                                (layouts ? " (gradsync.fsdp: and reduce the same parameters)" : ""));
   }
 }
 
