@@ -458,16 +458,8 @@ def _refusal(group, tensor, checked, op, why):
     if group.size() == 1:
         return None
     engine = _engines.get(group) or _stopping.get(group)
-    cuda_tensor = isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
-    if _nccl_only(group):  # the peers' check runs over gradsync's NCCL communicator
-        if engine is not None and engine.nccl_device >= 0:
-            device = torch.device("cuda", engine.nccl_device)
-        else:  # joined here: on the refused call's GPU, as its peers join on theirs
-            device = tensor.device if cuda_tensor else torch.device("cuda", torch.cuda.current_device())
-    elif cuda_tensor:
-        device = tensor.device
-    else:
-        device = torch.device("cpu")
+    device = _refusal_device(str(dist.get_backend(group)).lower(), engine.nccl_device if engine is not None else -1,
+                             tensor.device if isinstance(tensor, torch.Tensor) else None)
     if device.type == "cuda":
         with torch.cuda.device(device):
             if torch.cuda.is_current_stream_capturing():
@@ -475,6 +467,20 @@ def _refusal(group, tensor, checked, op, why):
     placeholder = torch.empty(0, dtype=torch.float32, device=device)
     return AllReduceWork(_submit(group, placeholder, lambda engine: engine.refuse(
         placeholder, op, checked, _slice_bytes(engine, placeholder), why)), placeholder)
+
+
+def _refusal_device(backend, nccl_device, tensor_device):
+    """Where a refused call's placeholder goes: where the peers' call of the group checks. ``backend``
+    the group's, ``nccl_device`` the GPU of the group's gradsync NCCL communicator (-1: none yet),
+    ``tensor_device`` the refused tensor's device (None: not a tensor)."""
+    cuda_tensor = tensor_device is not None and tensor_device.type == "cuda"
+    nccl_only = backend == "nccl"
+    if nccl_only or (cuda_tensor and "cuda:nccl" in backend):  # checked over the NCCL communicator
+        if nccl_device >= 0:  # even for a tensor on another GPU: the device check is what refused it
+            return torch.device("cuda", nccl_device)
+        # joined here: on the refused call's GPU, as its peers join on theirs
+        return tensor_device if cuda_tensor else torch.device("cuda", torch.cuda.current_device())
+    return tensor_device if cuda_tensor else torch.device("cpu")
 
 
 def _check_tensor(t, name, caller):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import gradsync
 from distributed_harness import World
-from gradsync.distributed import resolve_scales
+from gradsync.distributed import _refusal_device, resolve_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # unit roundoff of each wire format, and its absolute floor: half the smallest subnormal, or for fp8
@@ -474,6 +474,22 @@ def test_a_call_refused_on_one_rank_makes_every_rank_raise(worlds):
         "plain tensors"]
     # rank 1's group is unusable, saying why
     assert "refused here with check_call=False" in results[1][9] and "unknown codec 'int8'" in results[1][9], results[1][9]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_a_refused_call_takes_its_turn_where_the_peers_check(backend):
+    # over NCCL the peers' agreement check runs on gradsync's communicator: a refused call's turn goes
+    # there, even when the refusal was a tensor on another GPU (on that GPU the turn was refused again,
+    # and the peers waited out the group's timeout)
+    cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    assert _refusal_device(backend, 0, cuda1) == cuda0
+    assert _refusal_device(backend, 1, cuda1) == cuda1
+    assert _refusal_device(backend, -1, cuda1) == cuda1  # no communicator yet: the peers join on theirs
+    assert _refusal_device("cpu:gloo,cuda:nccl", 0, cpu) == cpu  # the peers' CPU tensors check over gloo
+    assert _refusal_device("cpu:gloo,cuda:nccl", 0, None) == cpu
+    assert _refusal_device("nccl", 1, cpu) == cuda1  # a CPU tensor refused on an NCCL-only group
+    assert _refusal_device("gloo", -1, cuda1) == cuda1  # staged through pinned memory, on the tensor's GPU
+    assert _refusal_device("gloo", -1, cpu) == cpu
 
 
 def out_of_memory_on_one_rank(rank, size, victim, check_call):
