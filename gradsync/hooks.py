@@ -15,6 +15,7 @@ Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at ever
 rounded to the wire format before it is added. Inf and NaN survive every codec, so
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
+import datetime
 import os
 import warnings
 import weakref
@@ -25,8 +26,8 @@ import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
-                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, all_reduce,
-                          resolve_scales)
+                          _check_tensor, _group_timeout_s, _issue, _issue_reduce_scatter, _refuse, _resolve_group,
+                          all_reduce, resolve_scales)
 from .ops import _check_codec
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -302,8 +303,10 @@ class HierarchicalState(GradSyncState):
     Give ``local_size`` (ranks per node, default: torchrun's ``LOCAL_WORLD_SIZE``) and both groups
     are made here from the default group, each node being ``local_size`` consecutive ranks as
     torchrun numbers them; making groups is collective, so every rank constructs its state at the
-    same point. Or pass both groups, which are checked (collectively too): every rank of a cross
-    group must hold the same place in a node of the same size. ``codec`` (default fp8 e4m3) and
+    same point; ranks that disagree on ``local_size`` raise on every rank, and the groups time out
+    as the default group does. Or pass both groups, which are checked (collectively too): every
+    rank of a cross group must hold the same place in a node of the same size, and every rank of a
+    node see as many nodes. ``codec`` (default fp8 e4m3) and
     ``error_feedback`` apply to the all-reduce across nodes; the residual then has the shard's size,
     1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its buckets
     after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
@@ -348,22 +351,44 @@ class HierarchicalState(GradSyncState):
 
 
 def _node_groups(local_size):
-    """(this rank's node group, this rank's group across the nodes), nodes of local_size consecutive ranks."""
-    if local_size is None:
+    """(this rank's node group, this rank's group across the nodes), nodes of local_size consecutive
+    ranks. Every rank's local_size is compared first, so that ranks that disagree (torchrun's
+    LOCAL_WORLD_SIZE on nodes of different sizes, a typo on one rank) raise on every rank rather than
+    make groups that never meet. The groups time out as the default group does."""
+    from_env = local_size is None
+    if from_env:
         local_size = os.environ.get("LOCAL_WORLD_SIZE")
-        if local_size is None:
-            raise ValueError("HierarchicalState needs local_size (ranks per node): LOCAL_WORLD_SIZE is not set")
-    if isinstance(local_size, bool) or not str(local_size).isdigit() or int(local_size) < 1:
+    shared = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, shared)
+    keys = {_ranks_per_node(v) for v in values}
+    if len(keys) > 1:
+        source = "LOCAL_WORLD_SIZE" if from_env else "local_size"
+        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {values}: hierarchical sync "
+                         "needs nodes of one size, each of consecutive ranks; pass the same local_size on every rank, "
+                         "or local_group and cross_group")
+    if local_size is None:
+        raise ValueError("HierarchicalState needs local_size (ranks per node): LOCAL_WORLD_SIZE is not set")
+    if _ranks_per_node(local_size) is None:
         raise ValueError(f"local_size must be a positive integer, got {local_size!r}")
     local_size, world = int(local_size), dist.get_world_size()
     if world % local_size:
         raise ValueError(f"local_size {local_size} does not divide the world size {world}")
     rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=_group_timeout_s(dist.group.WORLD))
     nodes = [list(range(start, start + local_size)) for start in range(0, world, local_size)]
     places = [list(range(place, world, local_size)) for place in range(local_size)]
-    local = [dist.new_group(ranks) for ranks in nodes][rank // local_size]  # every rank makes every group
-    cross = [dist.new_group(ranks) for ranks in places][rank % local_size]
+    # every rank makes every group
+    local = [dist.new_group(ranks, timeout=timeout) for ranks in nodes][rank // local_size]
+    cross = [dist.new_group(ranks, timeout=timeout) for ranks in places][rank % local_size]
     return local, cross
+
+
+def _ranks_per_node(value):
+    """``value`` as a positive int, or None where it is not one."""
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        return None
+    return int(value)
 
 
 def _check_two_groups(local_group, cross_group):
@@ -384,9 +409,16 @@ def _check_node_groups(local_group, cross_group):
     mine = (local_group.rank(), local_group.size())
     places = [None] * cross_group.size()
     dist.all_gather_object(places, mine, group=cross_group)
+    # a node's ranks see the same number of nodes: otherwise one whose cross group is itself alone
+    # (nodes of 2 and 1 ranks) passed the check above, and its peers raised without it
+    nodes = [None] * local_group.size()
+    dist.all_gather_object(nodes, cross_group.size(), group=local_group)
     if any(place != mine for place in places):
         raise ValueError(f"the cross group's ranks must hold the same place in nodes of one size, got (place, node "
                          f"size) {places}")
+    if len(set(nodes)) > 1:
+        raise ValueError(f"the node's ranks must see the same number of nodes (their cross groups' sizes), got {nodes}: "
+                         "hierarchical sync needs nodes of one size")
     covered, world = local_group.size() * cross_group.size(), dist.get_world_size()
     if covered != world:
         warnings.warn(f"HierarchicalState: its groups average over {local_group.size()} x {cross_group.size()} = "

@@ -5,6 +5,7 @@ import functools
 import gc
 import hashlib
 import io
+import os
 import pickle
 import time
 import warnings
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsync
 from distributed_harness import World
 from gradsync import hooks
+from gradsync.distributed import _group_timeout_s
 
 BUCKET_MB = 0.01  # several buckets even for these small models
 
@@ -240,6 +242,32 @@ def test_hierarchical_hook_trains_like_ddp_and_ranks_agree_bitwise(worlds):
 def hierarchical_misuse(rank, size):
     with pytest.raises(ValueError, match="local_size 3 does not divide the world size 4"):
         hooks.HierarchicalState(3)
+    # ranks that disagree on the node size raise on every rank, rather than make groups that never meet
+    with pytest.raises(ValueError, match=r"the ranks disagree on local_size \(ranks per node\), rank by rank "
+                                         r"\[2, 2, 1, 1\]"):
+        hooks.HierarchicalState(2 if rank < 2 else 1)
+    with pytest.raises(ValueError, match=r"disagree on local_size .* \[2, 2, 2, 'x'\]"):
+        hooks.HierarchicalState("x" if rank == 3 else 2)
+    previous = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1" if rank < 2 else "2"  # torchrun on nodes of 1, 1 and 2 ranks
+    try:
+        with pytest.raises(ValueError, match=r"disagree on LOCAL_WORLD_SIZE .* \['1', '1', '2', '2'\]"):
+            hooks.HierarchicalState()
+    finally:
+        if previous is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = previous
+    # groups given by hand for nodes of 3 ranks and 1: the ranks whose cross group is themselves alone
+    # raise too (they passed their check, and their peers waited for them at the first step)
+    nodes = [dist.new_group([0, 1, 2]), dist.new_group([3])]
+    places = [dist.new_group([0, 3]), dist.new_group([1]), dist.new_group([2])]
+    with pytest.raises(ValueError, match="same place in nodes of one size|same number of nodes"):
+        hooks.HierarchicalState(local_group=nodes[rank // 3], cross_group=places[rank % 3])
+    # the groups made here time out as the default group does (the groups' own default is 30 minutes)
+    state = hooks.HierarchicalState(2)
+    timeouts = {_group_timeout_s(g) for g in (dist.group.WORLD, state.local_group, state.cross_group)}
+    assert timeouts == {60.0}, timeouts
     with pytest.raises(ValueError, match="pass both local_group and cross_group"):
         hooks.HierarchicalState(local_group=dist.group.WORLD)
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
