@@ -46,10 +46,14 @@ def _eager_under_compile(fn):
     """``fn`` run eagerly wherever it is called: while torch.compile traces a call, left out of the
     graph as ``torch.compiler.disable`` leaves it (a graph break); otherwise called directly, so that
     importing gradsync does not import torch._dynamo (a second) and eager calls cost nothing more."""
+    why = (f"gradsync: {fn.__qualname__} runs eagerly, between compiled graphs (it talks to other ranks); "
+           "compile without fullgraph=True, or call it outside the compiled function")
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if _compiling():
-            return torch.compiler.disable(fn)(*args, **kwargs)
+            torch._dynamo.graph_break(msg=why)  # what fullgraph=True reports, rather than torch's own disable
+            return torch.compiler.disable(fn, reason=why)(*args, **kwargs)
         return fn(*args, **kwargs)
     return wrapper
 
@@ -223,8 +227,15 @@ def _dense(t):
 def _may_overlap_itself(t):
     """False when ``t``'s strides give every element its own address (each stride, in increasing
     order, beyond the reach of the smaller ones); True when they may not (expanded or as_strided)."""
+    by_stride = []  # sorted by hand: torch.compile cannot sort symbolic strides, but compares them
+    for stride, size in zip(t.stride(), t.shape):
+        if size > 1:
+            at = len(by_stride)
+            while at and by_stride[at - 1][0] > stride:
+                at -= 1
+            by_stride.insert(at, (stride, size))
     reach = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+    for stride, size in by_stride:
         if stride <= reach:
             return True
         reach += (size - 1) * stride

@@ -112,6 +112,23 @@ def test_compiled_out_arguments_write_the_callers_tensors():
         assert same_bits(payload, gradsync.compress(flat, "fp8_e5m2"))
 
 
+def test_compiled_unflatten_into_strided_tensors_with_dynamic_shapes():
+    # the overlap check of a strided destination compares its symbolic strides (sorting them failed)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True, dynamic=True)
+    def scatter(flat, a, b):
+        gradsync.unflatten(flat, [a, b], scale=2.0)
+
+    g = torch.Generator().manual_seed(15)
+    for rows in (4, 6, 9):
+        flat = torch.randn(3 * rows + 10, generator=g)
+        compiled, eager = [(torch.zeros(rows, 3).t(), torch.zeros(5, 4)[:, ::2]) for _ in range(2)]
+        scatter(flat, *compiled)
+        gradsync.unflatten(flat, list(eager), scale=2.0)
+        assert all(same_bits(c, e) for c, e in zip(compiled, eager)), rows
+
+
 def read_before_written(buf, payload, out, codec):
     """Values computed from each written tensor before the write, read again after it."""
     y = buf * 2
@@ -173,7 +190,21 @@ def compiled_around_gradsync(counters):
     leaves a call out of them (torch.compiler.disable), never inside gradsync's own code: its locks,
     engine and helpers would break the graphs again and again."""
     return counters["frames"]["ok"] == counters["frames"]["total"] > 0 and \
-        all("torch.compiler.disable" in reason or "function `disable`" in reason for reason in counters["graph_break"])
+        all("torch.compiler.disable" in reason or "function `disable`" in reason or "runs eagerly, between compiled "
+            "graphs" in reason for reason in counters["graph_break"])
+
+
+def fullgraph_collectives(rank, size):
+    """A collective in a compiled function that must be one graph: the error names gradsync's call."""
+    for call in (lambda x: gradsync.all_reduce(x), lambda x: gradsync.all_gather(torch.empty(2 * size), x)):
+        with pytest.raises(Exception, match="gradsync: all_(reduce|gather) runs eagerly, between compiled graphs"):
+            torch.compile(lambda x: call(x * 2), backend="aot_eager", fullgraph=True)(torch.ones(2))
+    return True
+
+
+def test_collectives_under_fullgraph_raise_naming_gradsync(worlds):
+    torch._dynamo.reset()
+    assert all(worlds(2).run(fullgraph_collectives))
 
 
 def compiled_collectives(rank, size):
