@@ -28,7 +28,7 @@ from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
                           _check_tensor, _group_timeout_s, _issue, _issue_reduce_scatter, _refuse, _resolve_group,
                           all_reduce, resolve_scales)
-from .ops import _check_codec
+from .ops import _check_codec, _eager_under_compile
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
            "fp8_compress_hook", "hierarchical_average", "hierarchical_hook"]
@@ -486,6 +486,7 @@ def _hierarchical_calls(local_group, cross_group):
     return [(local_group, _REDUCE_SCATTER), (cross_group, _ALL_REDUCE), (local_group, _ALL_GATHER)]
 
 
+@_eager_under_compile
 def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, cross_group: dist.ProcessGroup,
                          codec: str, check_call: bool = True, residual: Optional[torch.Tensor] = None
                          ) -> torch.futures.Future[torch.Tensor]:

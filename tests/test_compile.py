@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from gradsync import hooks
 from conftest import same_bits
 
 KERNELS = torch.ops.gradsync
@@ -196,8 +197,11 @@ def compiled_around_gradsync(counters):
 
 def fullgraph_collectives(rank, size):
     """A collective in a compiled function that must be one graph: the error names gradsync's call."""
-    for call in (lambda x: gradsync.all_reduce(x), lambda x: gradsync.all_gather(torch.empty(2 * size), x)):
-        with pytest.raises(Exception, match="gradsync: all_(reduce|gather) runs eagerly, between compiled graphs"):
+    singles = [dist.new_group([r]) for r in range(size)]  # every rank makes every group
+    for call in (lambda x: gradsync.all_reduce(x), lambda x: gradsync.all_gather(torch.empty(2 * size), x),
+                 lambda x: hooks.hierarchical_average(x, dist.group.WORLD, singles[rank], "none").wait()):
+        with pytest.raises(Exception, match="gradsync: (all_reduce|all_gather|hierarchical_average) runs eagerly, "
+                                            "between compiled graphs"):
             torch.compile(lambda x: call(x * 2), backend="aot_eager", fullgraph=True)(torch.ones(2))
     return True
 
