@@ -134,7 +134,7 @@ class GradSyncState:
             result = fut.value()
             if anchor not in self._checked and param() is not None:
                 self._checked[anchor] = set()
-                weakref.finalize(param(), _forget, weakref.ref(self), "_checked", anchor)
+                _drop_with(self, param(), "_checked", anchor)
             if anchor in self._checked:
                 self._checked[anchor].add(key)
             return result
@@ -157,7 +157,7 @@ class GradSyncState:
             self._adopt(residual, layout)
         self._residuals[key] = (residual, layout)
         if params:  # dropped with the model, so that a later model reusing these ids starts clean
-            weakref.finalize(params[0], _forget, weakref.ref(self), "_residuals", key)
+            _drop_with(self, params[0], "_residuals", key)
         return residual
 
     def _adopt(self, residual, layout):
@@ -187,6 +187,26 @@ def _check_dense(buffer):
     if buffer.layout != torch.strided:
         raise TypeError(f"gradsync's DDP hooks average dense gradients only, and this bucket is {buffer.layout} (e.g. "
                         "torch.nn.Embedding(..., sparse=True)): use sparse=False, or DDP without a hook")
+
+
+# per state, the finalizers _drop_with set on parameters, detached when the state goes
+_finalizers_of = weakref.WeakKeyDictionary()
+
+
+def _drop_with(state, param, table, key):
+    """``state.<table>[key]`` dropped when ``param`` is collected. The finalizer goes with the state
+    too: a new state for each run of a long-lived model leaves none behind on its parameters."""
+    finalizers = _finalizers_of.get(state)
+    if finalizers is None:
+        finalizers = _finalizers_of[state] = []
+        weakref.finalize(state, _detach, finalizers)
+    finalizers[:] = [f for f in finalizers if f.alive]
+    finalizers.append(weakref.finalize(param, _forget, weakref.ref(state), table, key))
+
+
+def _detach(finalizers):
+    for finalizer in finalizers:
+        finalizer.detach()
 
 
 def _forget(state_ref, table, key):
@@ -346,7 +366,7 @@ class HierarchicalState(GradSyncState):
                 del self._shard_residuals[old]
             residual = self._shard_residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
             if bucket.parameters():  # dropped with the model
-                weakref.finalize(bucket.parameters()[0], _forget, weakref.ref(self), "_shard_residuals", key)
+                _drop_with(self, bucket.parameters()[0], "_shard_residuals", key)
         return residual
 
 

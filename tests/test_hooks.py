@@ -1941,8 +1941,10 @@ def test_a_state_dropped_before_its_model_frees_its_residuals():
     # copy of the gradients each, go with their state
     # (HierarchicalState's shard residuals: shard_residuals_on_rebuild)
     params = [torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(24))]
+    finalizers = len(weakref.finalize._registry)
     assert all(dropped_state_frees(lambda: hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True), "_residuals",
                                    lambda state: state.residual(FakeBucket(params))) for _ in range(3))
+    assert len(weakref.finalize._registry) == finalizers  # nor what drops a residual with its parameters
     del params  # the finalizers of states that are gone do nothing
 
 
