@@ -65,10 +65,13 @@ def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
     assert alloc["error"] is None
     sys.path.insert(0, BENCH)
     try:
+        import bench_allreduce
         import common
     finally:
         sys.path.remove(BENCH)
     assert (common.sci(None), common.sci(0.0), common.sci(2.5e-4)) == ("-", "0", "2.50e-04")
+    assert [bench_allreduce.ninetieth_percentile(list(range(1, n + 1))) for n in (1, 9, 10, 11, 20, 30)] == \
+        [1, 9, 9, 10, 18, 27]
 
 
 def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
