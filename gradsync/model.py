@@ -724,7 +724,8 @@ def _load_json(path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m gradsync.model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", help="bench_kernels.py JSON with the CPU kernel costs (for --validate, and the "
                         "CPU rows; default: the committed 2026-12-01-cpu-kernels-1thread.json where it is at hand)")
     parser.add_argument("--loopback", default=os.path.join(RESULTS, "2026-12-01-cpu-allreduce-4ranks-interleaved.json"),
