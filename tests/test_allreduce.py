@@ -324,9 +324,9 @@ def test_the_future_holds_the_reduced_tensor(worlds):
     assert all(worlds(2).run(future_calls))
 
 
-def error_feedback_calls(rank, size, codec, numel):
+def error_feedback_calls(rank, size, codec, numel, dtype=torch.float32):
     """The residuals of all ranks sum to the result's error; repeated calls pay it back."""
-    inputs = [rank_input(r, numel, torch.float32, seed=4) for r in range(size)]
+    inputs = [rank_input(r, numel, dtype, seed=4) for r in range(size)]
     exact = torch.stack([x.double() for x in inputs]).sum(0) / size
     residual = torch.zeros(numel)
     x = inputs[rank].clone()
@@ -350,9 +350,12 @@ def error_feedback_calls(rank, size, codec, numel):
 
 
 @pytest.mark.parametrize("numel", [70001, 5001])  # the ring; the direct exchange of small buffers
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
-def test_error_feedback_residuals_account_for_the_error(worlds, codec, numel):
-    results = worlds(3).run(error_feedback_calls, codec, numel)
+@pytest.mark.parametrize("codec,dtype", [("fp16", torch.float32), ("bf16", torch.float32),
+                                         ("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.float32),
+                                         # the direct exchange's rounding of the sum into the tensor counts
+                                         ("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_error_feedback_residuals_account_for_the_error(worlds, codec, dtype, numel):
+    results = worlds(3).run(error_feedback_calls, codec, numel, dtype)
     assert len({r[3] for r in results}) == 1
     accounted, one_call, averaged, _ = results[0]
     assert accounted < 1e-6 < one_call

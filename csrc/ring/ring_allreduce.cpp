@@ -1,6 +1,7 @@
 #include "ring/ring_allreduce.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <iomanip>
@@ -83,7 +84,8 @@ void CpuRingKernels::decode_fp32(const void* in, int64_t n, float* out) const {
   }
 }
 
-void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t n) {
+void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t n, int64_t keep_begin,
+                                 int64_t keep_end) {
   const std::unique_ptr<float[]> scratch(new float[2 * static_cast<size_t>(n)]);  // written before it is read
   float *sum = scratch.get(), *term = sum + n;
   decode_fp32(payloads[0], n, sum);
@@ -92,6 +94,12 @@ void CpuRingKernels::sum_decoded(const void* const* payloads, int count, int64_t
     for (int64_t j = 0; j < n; ++j) sum[j] += term[j];
   }
   convert_cpu(sum, DType::kFloat32, result_at(0), dtype_, n, postscale_);
+  if (!residual_ || dtype_ == DType::kFloat32 || keep_begin >= keep_end) return;
+  convert_cpu(result_at(keep_begin), dtype_, term + keep_begin, DType::kFloat32, keep_end - keep_begin, 1.0f);
+  for (int64_t j = keep_begin; j < keep_end; ++j) {
+    const float lost = sum[j] - term[j] / postscale_;
+    if (std::isfinite(lost)) residual_[j] += lost;  // an overflowed sum leaves nothing to pay back
+  }
 }
 
 void* CpuRingKernels::result_as_payload(int64_t begin) {
@@ -434,7 +442,7 @@ void direct_allreduce(Transport& t, CpuRingKernels& kernels, int64_t numel, uint
   for (int s = 1; s < n; ++s) t.send(send_image, bytes, mod(r + s, n), tag);
   t.group_end();
   t.wait_all();
-  kernels.sum_decoded(payloads.data(), n, numel);
+  kernels.sum_decoded(payloads.data(), n, numel, numel * r / n, numel * (r + 1) / n);
 }
 
 }  // namespace gradsync

@@ -84,8 +84,9 @@ class CpuRingKernels : public CodecRingKernels {
   void reduce_decode(const void* in, int64_t begin, int64_t n) override;
   void* result_as_payload(int64_t begin) override;
   // result[0, n) = (decode(payloads[0]) + decode(payloads[1]) + ...) * postscale, added in fp32 in
-  // that order
-  void sum_decoded(const void* const* payloads, int count, int64_t n);
+  // that order. With a residual, what rounding result[keep_begin, keep_end) into a 16-bit tensor
+  // lost is added to it: that rounding encodes the sum, as the ring's owner of a chunk does.
+  void sum_decoded(const void* const* payloads, int count, int64_t n, int64_t keep_begin, int64_t keep_end);
 
  private:
   void reduce_encode_feedback(const void* in, int64_t begin, int64_t n, void* out);  // in may be null
