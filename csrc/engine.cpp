@@ -23,13 +23,22 @@ constexpr uint32_t kTagBase = 1u << 30;  // gradsync's tags: [2^30, 2^31)
 constexpr uint32_t kTagsPerCall = 1u << 24;
 constexpr uint32_t kCallSlots = 64;
 
-RingWork::RingWork(const at::Tensor& tensor)
+namespace {
+thread_local const RingEngine* t_worker_of = nullptr;  // the engine whose worker thread this is
+}  // namespace
+
+RingWork::RingWork(const at::Tensor& tensor, const RingEngine* engine)
     : tensor_(tensor),
+      engine_(engine),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::TensorType::get(), tensor.is_cuda() ? std::vector<c10::Device>{tensor.device()} : std::vector<c10::Device>{})) {}
 
 void RingWork::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(done_ || t_worker_of != engine_,
+              "gradsync: waiting for a call of this group on the group's communication thread (in a callback of "
+              "one of its futures), which runs that call after this callback, would wait forever: chain it with "
+              "get_future().then(...) instead");
   // after wait() the future is complete too, as with torch's Work; but a callback of that future
   // (run by the completing thread) that waits for this call has its outcome already
   done_cv_.wait(lock, [&] { return released_ || (done_ && std::this_thread::get_id() == completer_); });
@@ -183,7 +192,7 @@ std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOp
   TORCH_CHECK(tensor.is_contiguous(), "gradsync.all_reduce: the tensor must be contiguous");
   dtype_of(tensor);
   check_residual(tensor, options);
-  return submit(Job{tensor, at::Tensor(), options, std::make_shared<RingWork>(tensor)});
+  return submit(Job{tensor, at::Tensor(), options, std::make_shared<RingWork>(tensor, this)});
 }
 
 std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options) {
@@ -194,7 +203,7 @@ std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tens
               " chunks of the output's ", output.numel(), " elements, not ", input.numel());
   dtype_of(input);
   check_residual(input, options);
-  Job job{input, output, options, std::make_shared<RingWork>(output)};
+  Job job{input, output, options, std::make_shared<RingWork>(output, this)};
   job.op = kReduceScatter;
   return submit(std::move(job));
 }
@@ -207,7 +216,7 @@ std::shared_ptr<RingWork> RingEngine::all_gather(at::Tensor output, at::Tensor i
               " chunks of the input's ", input.numel(), " elements, not ", output.numel());
   TORCH_CHECK(!options.residual.defined(), "gradsync.all_gather takes no residual");
   dtype_of(output);
-  Job job{output, at::Tensor(), options, std::make_shared<RingWork>(output)};
+  Job job{output, at::Tensor(), options, std::make_shared<RingWork>(output, this)};
   job.op = kAllGather;
   job.gather_input = input;
   return submit(std::move(job));
@@ -225,17 +234,13 @@ std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, RingOp op, 
               "gradsync: a refused call's placeholder is an empty float32 tensor");
   TORCH_CHECK(op == kAllReduce || op == kReduceScatter || op == kAllGather, "gradsync: unknown ring operation ", op);
   Job job{placeholder, op == kReduceScatter ? placeholder : at::Tensor(), options,
-          std::make_shared<RingWork>(placeholder)};
+          std::make_shared<RingWork>(placeholder, this)};
   job.op = op;
   job.options.residual = at::Tensor();
   job.options.after = nullptr;
   job.refusal = why.empty() ? std::string("gradsync: the call was refused") : std::move(why);
   return submit(std::move(job));
 }
-
-namespace {
-thread_local const RingEngine* t_worker_of = nullptr;
-}  // namespace
 
 bool RingEngine::on_worker_thread() { return t_worker_of != nullptr; }
 bool RingEngine::on_own_worker_thread() const { return t_worker_of == this; }

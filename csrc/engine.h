@@ -27,16 +27,21 @@
 namespace gradsync {
 
 // Completion of one asynchronous all-reduce, also as a torch Future holding the tensor.
+class RingEngine;
+
 class RingWork {
  public:
-  explicit RingWork(const at::Tensor& tensor);
-  void wait();  // blocks until the future is complete too; rethrows the all-reduce's error
+  RingWork(const at::Tensor& tensor, const RingEngine* engine);
+  // blocks until the future is complete too; rethrows the all-reduce's error. Throws at once on the
+  // thread of the engine that runs the call, which would wait there for itself.
+  void wait();
   bool is_completed();
   void complete(std::exception_ptr error);
   c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }
 
  private:
   at::Tensor tensor_;
+  const RingEngine* engine_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex mutex_;
   std::condition_variable done_cv_;

@@ -86,7 +86,8 @@ class AllReduceWork:
 
         Its callbacks run on gradsync's communication thread: keep them short, and never wait in one
         for another gradsync call (a synchronous one on a group gradsync has run calls on raises
-        there: pass ``async_op=True``).
+        there: pass ``async_op=True``; so does ``wait()`` for a later call of the group, which that
+        thread runs after the callback; a Future's ``wait()`` there blocks forever).
         """
         if self._unfinished_in_forked_child():
             future = torch.futures.Future()

@@ -1017,6 +1017,42 @@ def lifecycle(rank, size):
     return out
 
 
+def waits_in_callbacks(rank, size):
+    """Rank 0's callback of a call's future waits for the group's next call: that call runs on the
+    thread running the callback, after it, so the wait raises rather than block that thread forever.
+    A callback's wait for a call already done returns."""
+    seen = []
+    if rank == 1:
+        dist.barrier()  # rank 0's first call completes only after its callbacks are in place
+    first, second = torch.ones(4), torch.ones(4)
+    w1 = gradsync.all_reduce(first, op="sum", async_op=True)
+    w2 = gradsync.all_reduce(second, op="sum", async_op=True)
+
+    def wait_for(work):
+        def callback(fut):
+            try:
+                work.wait()
+                seen.append("returned")
+            except RuntimeError as e:
+                seen.append(str(e))
+        return callback
+    chained = [w1.get_future().then(wait_for(w2)), w2.get_future().then(wait_for(w1))]
+    if rank == 0:
+        dist.barrier()
+    w2.wait()
+    for fut in chained:
+        fut.wait()
+    return seen, first.tolist(), second.tolist()
+
+
+def test_a_wait_in_a_callback_for_a_later_call_of_the_group_raises(worlds):
+    for rank, (seen, first, second) in enumerate(worlds(2).run(waits_in_callbacks, timeout=60)):
+        assert first == second == [2.0] * 4
+        if rank == 0:
+            assert len(seen) == 2 and "would wait forever: chain it with get_future().then" in seen[0], seen
+            assert seen[1] == "returned", seen
+
+
 def test_a_group_survives_one_rank_s_shutdown_a_waiting_callback_and_a_fork_and_destroyed_groups_go(worlds):
     for rank, out in enumerate(worlds(2).run(lifecycle)):
         assert out["after a shutdown on rank 0"] == [2.0] * 4
