@@ -647,8 +647,8 @@ def shutdown():
 
     Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit. A group that
-    torch.distributed has already destroyed is left to the process's exit rather than torn down here,
-    since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
+    torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
+    process's end), since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
     left unusable stays so: later calls on it raise, as they did before. A call issued meanwhile
     from another thread on a group whose calls shutdown() is finishing waits for them, then starts
     a new engine (which this shutdown() leaves running) and takes its turn after them; one issued
@@ -688,7 +688,12 @@ def _stop_engines():
                 del _stopping[group]
                 _stopped.notify_all()
         if not _group_is_live(group):
-            engine.abandon_group()
+            # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
+            # group whose peers are gone can block), or at exit leave it to the process's end
+            if _exiting:
+                engine.abandon_group()
+            else:
+                _C._release_engines([engine])
 
 
 def _forget_engines_in_forked_child():
@@ -713,5 +718,14 @@ def _forget_engines_in_forked_child():
     _shutdowns = 0  # one running in another thread of the parent
 
 
-atexit.register(shutdown)
+_exiting = False
+
+
+def _shutdown_at_exit():
+    global _exiting
+    _exiting = True
+    shutdown()
+
+
+atexit.register(_shutdown_at_exit)
 os.register_at_fork(after_in_child=_forget_engines_in_forked_child)

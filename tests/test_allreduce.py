@@ -973,6 +973,22 @@ def lifecycle(rank, size):
         time.sleep(0.05)
     out["threads added by 12 destroyed groups"] = native_threads() - before
     out["engines"] = len(gradsync.distributed._engines)
+    gradsync.shutdown()
+    settled, before = -1, native_threads()
+    while before != settled and time.monotonic() < deadline + 20:  # the 12 groups' threads ending
+        time.sleep(0.3)
+        settled, before = before, native_threads()
+    groups = [dist.new_group(list(range(size))) for _ in range(6)]
+    for group in groups:
+        gradsync.all_reduce(torch.ones(100000), group=group, codec="bf16")
+    for group in groups:
+        dist.destroy_process_group(group)
+    del groups
+    gradsync.shutdown()  # lets go of the destroyed groups too (no new engine may ever come)
+    deadline = time.monotonic() + 20
+    while native_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["threads left by 6 groups destroyed before shutdown()"] = native_threads() - before
     with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
         gradsync.all_reduce(torch.ones(4), group=group)
 
@@ -1062,6 +1078,7 @@ def test_a_group_survives_one_rank_s_shutdown_a_waiting_callback_and_a_fork_and_
         assert y == [2.0] * 4
         assert out["threads added by 12 destroyed groups"] <= 16, out  # 52 when none is let go
         assert out["engines"] == 2, out
+        assert out["threads left by 6 groups destroyed before shutdown()"] <= 0, out
         assert out["forked child"] == 0, out
         assert out["parent after the fork"] == [2.0] * 4
 
