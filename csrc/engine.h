@@ -26,9 +26,9 @@
 
 namespace gradsync {
 
-// Completion of one asynchronous all-reduce, also as a torch Future holding the tensor.
 class RingEngine;
 
+// Completion of one asynchronous all-reduce, also as a torch Future holding the tensor.
 class RingWork {
  public:
   RingWork(const at::Tensor& tensor, const RingEngine* engine);

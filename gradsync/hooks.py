@@ -15,8 +15,8 @@ Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at ever
 rounded to the wire format before it is added. Inf and NaN survive every codec, so
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
-import datetime
 import os
+import threading
 import warnings
 import weakref
 from typing import Optional
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
-                          _check_tensor, _group_timeout_s, _issue, _issue_reduce_scatter, _refuse, _resolve_group,
-                          all_reduce, resolve_scales)
+                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, all_reduce,
+                          resolve_scales)
 from .ops import _check_codec, _eager_under_compile
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -189,22 +189,28 @@ def _check_dense(buffer):
                         "torch.nn.Embedding(..., sparse=True)): use sparse=False, or DDP without a hook")
 
 
-# per state, the finalizers _drop_with set on parameters, detached when the state goes
-_finalizers_of = weakref.WeakKeyDictionary()
+# per state (by id: a state need not be hashable), the finalizers _drop_with set on parameters,
+# detached when the state goes; the hook's callbacks add them on gradsync's thread too (reentrant:
+# a collection inside _drop_with may finalize another state)
+_finalizers_of = {}
+_finalizers_lock = threading.RLock()
 
 
 def _drop_with(state, param, table, key):
     """``state.<table>[key]`` dropped when ``param`` is collected. The finalizer goes with the state
     too: a new state for each run of a long-lived model leaves none behind on its parameters."""
-    finalizers = _finalizers_of.get(state)
-    if finalizers is None:
-        finalizers = _finalizers_of[state] = []
-        weakref.finalize(state, _detach, finalizers)
-    finalizers[:] = [f for f in finalizers if f.alive]
-    finalizers.append(weakref.finalize(param, _forget, weakref.ref(state), table, key))
+    with _finalizers_lock:
+        finalizers = _finalizers_of.get(id(state))
+        if finalizers is None:
+            finalizers = _finalizers_of[id(state)] = []
+            weakref.finalize(state, _detach, id(state))
+        finalizers[:] = [f for f in finalizers if f.alive]
+        finalizers.append(weakref.finalize(param, _forget, weakref.ref(state), table, key))
 
 
-def _detach(finalizers):
+def _detach(state_id):
+    with _finalizers_lock:
+        finalizers = _finalizers_of.pop(state_id, [])
     for finalizer in finalizers:
         finalizer.detach()
 
@@ -378,24 +384,23 @@ def _node_groups(local_size):
     from_env = local_size is None
     if from_env:
         local_size = os.environ.get("LOCAL_WORLD_SIZE")
-    shared = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
+    shown = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, shared)
-    keys = {_ranks_per_node(v) for v in values}
-    if len(keys) > 1:
+    dist.all_gather_object(values, (_ranks_per_node(local_size), shown))
+    if len({parsed if parsed is not None else ("not one", shown) for parsed, shown in values}) > 1:
         source = "LOCAL_WORLD_SIZE" if from_env else "local_size"
-        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {values}: hierarchical sync "
-                         "needs nodes of one size, each of consecutive ranks; pass the same local_size on every rank, "
-                         "or local_group and cross_group")
+        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[v for _, v in values]}: "
+                         "hierarchical sync needs nodes of one size, each of consecutive ranks; pass the same "
+                         "local_size on every rank, or local_group and cross_group")
     if local_size is None:
         raise ValueError("HierarchicalState needs local_size (ranks per node): LOCAL_WORLD_SIZE is not set")
     if _ranks_per_node(local_size) is None:
         raise ValueError(f"local_size must be a positive integer, got {local_size!r}")
-    local_size, world = int(local_size), dist.get_world_size()
+    local_size, world = _ranks_per_node(local_size), dist.get_world_size()
     if world % local_size:
         raise ValueError(f"local_size {local_size} does not divide the world size {world}")
     rank = dist.get_rank()
-    timeout = datetime.timedelta(seconds=_group_timeout_s(dist.group.WORLD))
+    timeout = _timeout_of(dist.group.WORLD)
     nodes = [list(range(start, start + local_size)) for start in range(0, world, local_size)]
     places = [list(range(place, world, local_size)) for place in range(local_size)]
     # every rank makes every group
@@ -406,9 +411,19 @@ def _node_groups(local_size):
 
 def _ranks_per_node(value):
     """``value`` as a positive int, or None where it is not one."""
-    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+    if isinstance(value, bool) or not str(value).isdecimal() or int(value) < 1:
         return None
     return int(value)
+
+
+def _timeout_of(group):
+    """The timeout ``group`` was made with; None (torch's default) where its backends do not say."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    return None
 
 
 def _check_two_groups(local_group, cross_group):

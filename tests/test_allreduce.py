@@ -934,6 +934,15 @@ def test_shutdown_in_a_callback_raises(worlds):
     assert x == y == [2.0] * 4
 
 
+def used_then_destroyed(size, count):
+    """``count`` groups, each used by gradsync, then all destroyed by torch.distributed."""
+    groups = [dist.new_group(list(range(size))) for _ in range(count)]
+    for group in groups:
+        gradsync.all_reduce(torch.ones(100000), group=group, codec="bf16")
+    for group in groups:
+        dist.destroy_process_group(group)
+
+
 def lifecycle(rank, size):
     """What a group's life may bring: shutdown() on one rank only, a call waited for in a callback of
     the same group's future, groups made and destroyed over and over, a fork()."""
@@ -973,24 +982,21 @@ def lifecycle(rank, size):
         time.sleep(0.05)
     out["threads added by 12 destroyed groups"] = native_threads() - before
     out["engines"] = len(gradsync.distributed._engines)
+    with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
+        gradsync.all_reduce(torch.ones(4), group=group)
+    del group
+
     gradsync.shutdown()
     settled, before = -1, native_threads()
     while before != settled and time.monotonic() < deadline + 20:  # the 12 groups' threads ending
         time.sleep(0.3)
         settled, before = before, native_threads()
-    groups = [dist.new_group(list(range(size))) for _ in range(6)]
-    for group in groups:
-        gradsync.all_reduce(torch.ones(100000), group=group, codec="bf16")
-    for group in groups:
-        dist.destroy_process_group(group)
-    del groups
+    used_then_destroyed(size, 6)
     gradsync.shutdown()  # lets go of the destroyed groups too (no new engine may ever come)
     deadline = time.monotonic() + 20
     while native_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     out["threads left by 6 groups destroyed before shutdown()"] = native_threads() - before
-    with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
-        gradsync.all_reduce(torch.ones(4), group=group)
 
     done = gradsync.all_reduce(torch.ones(4), async_op=True)
     done.wait()

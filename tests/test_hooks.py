@@ -1,6 +1,7 @@
 """gradsync's DDP hooks and gradsync.DataParallel training real models on gloo ranks, against fp32 DDP."""
 import contextlib
 import copy
+import datetime
 import functools
 import gc
 import hashlib
@@ -21,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsync
 from distributed_harness import World
 from gradsync import hooks
-from gradsync.distributed import _group_timeout_s
 
 BUCKET_MB = 0.01  # several buckets even for these small models
 
@@ -266,8 +266,9 @@ def hierarchical_misuse(rank, size):
         hooks.HierarchicalState(local_group=nodes[rank // 3], cross_group=places[rank % 3])
     # the groups made here time out as the default group does (the groups' own default is 30 minutes)
     state = hooks.HierarchicalState(2)
-    timeouts = {_group_timeout_s(g) for g in (dist.group.WORLD, state.local_group, state.cross_group)}
-    assert timeouts == {60.0}, timeouts
+    timeouts = {hooks._timeout_of(g) for g in (dist.group.WORLD, state.local_group, state.cross_group)}
+    assert timeouts == {datetime.timedelta(seconds=60)}, timeouts
+    hooks.HierarchicalState("2" if rank == 0 else 2)  # one value, however it is written
     with pytest.raises(ValueError, match="pass both local_group and cross_group"):
         hooks.HierarchicalState(local_group=dist.group.WORLD)
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
@@ -1945,6 +1946,12 @@ def test_a_state_dropped_before_its_model_frees_its_residuals():
     assert all(dropped_state_frees(lambda: hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True), "_residuals",
                                    lambda state: state.residual(FakeBucket(params))) for _ in range(3))
     assert len(weakref.finalize._registry) == finalizers  # nor what drops a residual with its parameters
+
+    class Compared(hooks.GradSyncState):  # a subclass that compares by value, so unhashable
+        def __eq__(self, other):
+            return isinstance(other, Compared)
+    assert dropped_state_frees(lambda: Compared(codec="fp8_e4m3", error_feedback=True), "_residuals",
+                               lambda state: state.residual(FakeBucket(params)))
     del params  # the finalizers of states that are gone do nothing
 
 
