@@ -648,9 +648,10 @@ def shutdown():
     Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit. A group that
     torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
-    process's end), since tearing down a gloo group whose peers are gone can block. A group whose ring a failure
-    left unusable stays so: later calls on it raise, as they did before. A call issued meanwhile
-    from another thread on a group whose calls shutdown() is finishing waits for them, then starts
+    process's end), since tearing down a gloo group whose peers are gone can block. A group whose
+    ring a failure left unusable stays so: later calls on it raise, as they did before. A call
+    issued meanwhile from another thread on a group whose calls shutdown() is finishing waits for
+    them, then starts
     a new engine (which this shutdown() leaves running) and takes its turn after them; one issued
     from a callback on gradsync's thread (asynchronous, as there) runs among them, in its turn, as
     on the ranks that did not shut down.

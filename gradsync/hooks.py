@@ -332,10 +332,9 @@ class HierarchicalState(GradSyncState):
     same point; ranks that disagree on ``local_size`` raise on every rank, and the groups time out
     as the default group does. Or pass both groups, which are checked (collectively too): every
     rank of a cross group must hold the same place in a node of the same size, and every rank of a
-    node see as many nodes. ``codec`` (default fp8 e4m3) and
-    ``error_feedback`` apply to the all-reduce across nodes; the residual then has the shard's size,
-    1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its buckets
-    after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
+    node see as many nodes. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to the
+    all-reduce across nodes; the residual then has the shard's size, 1/``local_size`` of the
+    bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
     TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
     ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups.
     """
@@ -387,9 +386,9 @@ def _node_groups(local_size):
     shown = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, (_ranks_per_node(local_size), shown))
-    if len({parsed if parsed is not None else ("not one", shown) for parsed, shown in values}) > 1:
+    if len({size if size is not None else ("not one", given) for size, given in values}) > 1:
         source = "LOCAL_WORLD_SIZE" if from_env else "local_size"
-        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[v for _, v in values]}: "
+        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[g for _, g in values]}: "
                          "hierarchical sync needs nodes of one size, each of consecutive ranks; pass the same "
                          "local_size on every rank, or local_group and cross_group")
     if local_size is None:
@@ -452,8 +451,8 @@ def _check_node_groups(local_group, cross_group):
         raise ValueError(f"the cross group's ranks must hold the same place in nodes of one size, got (place, node "
                          f"size) {places}")
     if len(set(nodes)) > 1:
-        raise ValueError(f"the node's ranks must see the same number of nodes (their cross groups' sizes), got {nodes}: "
-                         "hierarchical sync needs nodes of one size")
+        raise ValueError(f"the node's ranks must see the same number of nodes (their cross groups' sizes), got "
+                         f"{nodes}: hierarchical sync needs nodes of one size")
     covered, world = local_group.size() * cross_group.size(), dist.get_world_size()
     if covered != world:
         warnings.warn(f"HierarchicalState: its groups average over {local_group.size()} x {cross_group.size()} = "
