@@ -318,17 +318,30 @@ def _nccl_only(group):
 
 def _uses_nccl(group):
     """Whether the group moves CUDA tensors with NCCL ("nccl", or "cuda:nccl" in a combined backend)."""
-    backend = str(dist.get_backend(group)).lower()
+    return _moves_cuda_with_nccl(str(dist.get_backend(group)).lower())
+
+
+def _moves_cuda_with_nccl(backend):
     return backend == "nccl" or "cuda:nccl" in backend
 
 
+def _timeout_of(group):
+    """The timeout ``group`` was made with (init_process_group / new_group); None where its backends
+    do not say."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    return None
+
+
 def _group_timeout_s(group):
-    """The timeout the group was created with (init_process_group / new_group), else NCCL's default."""
-    try:
-        return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        default = dist.distributed_c10d.default_pg_nccl_timeout
-        return default.total_seconds() if default is not None else 600.0
+    """The timeout the group was created with, else NCCL's default."""
+    timeout = _timeout_of(group)
+    if timeout is None:
+        timeout = dist.distributed_c10d.default_pg_nccl_timeout
+    return timeout.total_seconds() if timeout is not None else 600.0
 
 
 def _attach_nccl(engine, group, device):
@@ -475,8 +488,7 @@ def _refusal_device(backend, nccl_device, tensor_device):
     the group's, ``nccl_device`` the GPU of the group's gradsync NCCL communicator (-1: none yet),
     ``tensor_device`` the refused tensor's device (None: not a tensor)."""
     cuda_tensor = tensor_device is not None and tensor_device.type == "cuda"
-    nccl_only = backend == "nccl"
-    if nccl_only or (cuda_tensor and "cuda:nccl" in backend):  # checked over the NCCL communicator
+    if backend == "nccl" or (cuda_tensor and _moves_cuda_with_nccl(backend)):  # checked over the NCCL communicator
         if nccl_device >= 0:  # even for a tensor on another GPU: the device check is what refused it
             return torch.device("cuda", nccl_device)
         # joined here: on the refused call's GPU, as its peers join on theirs

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
-                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, all_reduce,
-                          resolve_scales)
+                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, _timeout_of,
+                          all_reduce, resolve_scales)
 from .ops import _check_codec, _eager_under_compile
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -384,18 +384,19 @@ def _node_groups(local_size):
     if from_env:
         local_size = os.environ.get("LOCAL_WORLD_SIZE")
     shown = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
+    size = _ranks_per_node(local_size)
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, (_ranks_per_node(local_size), shown))
-    if len({size if size is not None else ("not one", given) for size, given in values}) > 1:
+    dist.all_gather_object(values, (size, shown))
+    if len({each if each is not None else ("not one", given) for each, given in values}) > 1:
         source = "LOCAL_WORLD_SIZE" if from_env else "local_size"
         raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[g for _, g in values]}: "
                          "hierarchical sync needs nodes of one size, each of consecutive ranks; pass the same "
                          "local_size on every rank, or local_group and cross_group")
     if local_size is None:
         raise ValueError("HierarchicalState needs local_size (ranks per node): LOCAL_WORLD_SIZE is not set")
-    if _ranks_per_node(local_size) is None:
+    if size is None:
         raise ValueError(f"local_size must be a positive integer, got {local_size!r}")
-    local_size, world = _ranks_per_node(local_size), dist.get_world_size()
+    local_size, world = size, dist.get_world_size()
     if world % local_size:
         raise ValueError(f"local_size {local_size} does not divide the world size {world}")
     rank = dist.get_rank()
@@ -413,16 +414,6 @@ def _ranks_per_node(value):
     if isinstance(value, bool) or not str(value).isdecimal() or int(value) < 1:
         return None
     return int(value)
-
-
-def _timeout_of(group):
-    """The timeout ``group`` was made with; None (torch's default) where its backends do not say."""
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError):
-            pass
-    return None
 
 
 def _check_two_groups(local_group, cross_group):
