@@ -4,6 +4,7 @@
 
 #include <c10/core/StreamGuard.h>
 
+#include <chrono>
 #include <optional>
 #include <stdexcept>
 
@@ -33,7 +34,7 @@ RingWork::RingWork(const at::Tensor& tensor, const RingEngine* engine)
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::TensorType::get(), tensor.is_cuda() ? std::vector<c10::Device>{tensor.device()} : std::vector<c10::Device>{})) {}
 
-void RingWork::wait() {
+bool RingWork::wait(double timeout_s) {
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(done_ || t_worker_of != engine_,
               "gradsync: waiting for a call of this group on the group's communication thread (in a callback of "
@@ -41,8 +42,16 @@ void RingWork::wait() {
               "get_future().then(...) instead");
   // after wait() the future is complete too, as with torch's Work; but a callback of that future
   // (run by the completing thread) that waits for this call has its outcome already
-  done_cv_.wait(lock, [&] { return released_ || (done_ && std::this_thread::get_id() == completer_); });
+  auto finished = [&] { return released_ || (done_ && std::this_thread::get_id() == completer_); };
+  if (timeout_s < 0 || timeout_s > 1e9) {  // beyond 30 years, steady_clock's nanoseconds would overflow
+    done_cv_.wait(lock, finished);
+  } else {
+    TORCH_CHECK(done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), finished),
+                "gradsync: the call did not complete within the ", timeout_s, " s given to wait(); it is still "
+                "running (its tensors must not be touched until a wait() returns), bounded by the group's timeout");
+  }
   if (error_) std::rethrow_exception(error_);
+  return true;
 }
 
 bool RingWork::is_completed() {
@@ -612,7 +621,7 @@ void bind_ring(pybind11::module& m) {
     }).detach();
   });
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
-      .def("wait", &RingWork::wait, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &RingWork::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)
       .def("get_future", [](const RingWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
   py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")

@@ -33,8 +33,9 @@ class RingWork {
  public:
   RingWork(const at::Tensor& tensor, const RingEngine* engine);
   // blocks until the future is complete too; rethrows the all-reduce's error. Throws at once on the
-  // thread of the engine that runs the call, which would wait there for itself.
-  void wait();
+  // thread of the engine that runs the call, which would wait there for itself. timeout_s >= 0
+  // bounds this wait alone (the call goes on, bounded by the group's timeout).
+  bool wait(double timeout_s = -1);
   bool is_completed();
   void complete(std::exception_ptr error);
   c10::intrusive_ptr<c10::ivalue::Future> future() const { return future_; }

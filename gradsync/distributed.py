@@ -9,6 +9,7 @@ tensors of a non-NCCL group through pinned host memory, over the group's own sen
 """
 import atexit
 import contextlib
+import datetime
 import math
 import numbers
 import os
@@ -16,7 +17,7 @@ import struct
 import threading
 import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -63,12 +64,18 @@ class AllReduceWork:
         self._tensor = tensor
         self._pid = os.getpid()
 
-    def wait(self) -> None:
-        """Blocks until the all-reduce is done; raises its error if it failed (see :func:`all_reduce`
-        for what the tensor then holds)."""
+    def wait(self, timeout: Optional[Union[datetime.timedelta, float]] = None) -> bool:
+        """Blocks until the all-reduce is done and returns True, as ``Work.wait()`` does; raises its error
+        if it failed (see :func:`all_reduce` for what the tensor then holds).
+
+        ``timeout`` (a ``timedelta`` or seconds) bounds this wait alone: past it, ``RuntimeError``, and
+        the call goes on (its tensors are not to be touched until a later ``wait()`` returns), bounded
+        by the group's own timeout.
+        """
+        seconds = _wait_seconds(timeout)
         if self._unfinished_in_forked_child():
             raise RuntimeError(self._forked())
-        self._work.wait()
+        return self._work.wait(seconds)
 
     def _unfinished_in_forked_child(self):
         return os.getpid() != self._pid and not self._work.is_completed()
@@ -96,6 +103,21 @@ class AllReduceWork:
         return self._work.get_future()
 
 
+def _wait_seconds(timeout):
+    """-1 for no timeout."""
+    if timeout is None:
+        return -1.0
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
+    if not seconds >= 0:
+        raise ValueError(f"timeout must be at least 0 seconds, got {timeout!r}")
+    return seconds
+
+
 def _check_flag(value, name):
     if value not in (True, False):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -105,6 +127,11 @@ def _check_flag(value, name):
 def _check_scale(value, name):
     """The float of a finite number that stays non-zero as a float (an int beyond float's range, or a
     Fraction below it, is refused like inf and 0)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a number or a one-element real tensor, got a {value.dtype} tensor of "
+                             f"{value.numel()} elements")
+        value = value.item()
     narrowed = 0.0
     if not isinstance(value, bool) and isinstance(value, numbers.Real):
         try:
@@ -148,11 +175,6 @@ def _op_factor(op, world_size):
             factor = op.__getstate__()[1]
         except Exception as e:
             raise ValueError(f"cannot read the factor of {op!r} on this torch: {e}") from None
-    if isinstance(factor, torch.Tensor):
-        if factor.numel() != 1:
-            raise ValueError(f"ReduceOp.PREMUL_SUM's factor must be a number or a one-element tensor, got "
-                             f"{factor.numel()} elements")
-        factor = factor.item()
     return _check_scale(factor, "ReduceOp.PREMUL_SUM's factor")
 
 
@@ -170,12 +192,11 @@ def resolve_scales(op, world_size, prescale=None, postscale=None):
     if prescale is None and postscale is None:
         return _in_float32(target, "the op's factor"), 1.0
     if postscale is None:
-        prescale = _check_scale(prescale, "prescale")
-        postscale = _in_float32(target / prescale, "the postscale it leaves")
-        return _in_float32(prescale, "prescale"), postscale
-    postscale = _check_scale(postscale, "postscale")
+        prescale = _in_float32(_check_scale(prescale, "prescale"), "prescale")
+        return prescale, _in_float32(target / prescale, "the postscale it leaves")
+    postscale = _in_float32(_check_scale(postscale, "postscale"), "postscale")
     if prescale is None:
-        return _in_float32(target / postscale, "the prescale it leaves"), _in_float32(postscale, "postscale")
+        return _in_float32(target / postscale, "the prescale it leaves"), postscale
     prescale = _check_scale(prescale, "prescale")
     if not math.isclose(prescale * postscale, target, rel_tol=1e-6):
         raise ValueError(f"prescale * postscale must be {target:g} for op={_op_name(op)!r} on {world_size} ranks, "

@@ -250,14 +250,22 @@ def async_while_a_peer_is_late(rank, size):
     work = gradsync.all_reduce(x, codec="fp16", async_op=True)
     returned = time.monotonic() - start
     pending = not work.is_completed()
-    work.wait()
-    return returned, pending, time.monotonic() - start, digest(x)
+    timed_out = False
+    if rank != size - 1:  # a bounded wait gives up; the call goes on
+        with pytest.raises(RuntimeError, match="did not complete within the 0.2 s given to wait\\(\\); it is still"):
+            work.wait(timeout=0.2)
+        timed_out = not work.is_completed()
+    for bad, error in (("1", TypeError), (-1, ValueError), (float("nan"), ValueError)):
+        with pytest.raises(error, match="timeout must be"):
+            work.wait(bad)
+    assert work.wait(datetime.timedelta(seconds=60)) is True and work.wait(0) is True
+    return returned, pending, time.monotonic() - start, digest(x), timed_out
 
 
 def test_an_async_call_does_not_block_its_caller(worlds):
     results = worlds(3).run(async_while_a_peer_is_late)
-    for returned, pending, waited, _ in results[:-1]:
-        assert returned < 0.5 and pending, (returned, pending)
+    for returned, pending, waited, _, timed_out in results[:-1]:
+        assert returned < 0.5 and pending and timed_out, (returned, pending, timed_out)
         assert waited > 1.5, waited
     assert len({r[3] for r in results}) == 1
 
@@ -1224,8 +1232,20 @@ def test_scales():
     for kwargs in (dict(prescale=1e-50), dict(prescale=1e39), dict(postscale=1e-50)):
         with pytest.raises(ValueError, match="finite, non-zero float32"):
             resolve_scales("sum", 4, **kwargs)
+    # the factor given is named when it is the one out of float32's range, the derived one otherwise
+    for kwargs in (dict(prescale=1e-40), dict(prescale=1e39), dict(postscale=1e39), dict(postscale=1e-40)):
+        with pytest.raises(ValueError, match=f"^{next(iter(kwargs))} must be a finite, non-zero float32"):
+            resolve_scales("sum", 4, **kwargs)
     with pytest.raises(ValueError, match="the postscale it leaves must be a finite, non-zero float32"):
-        resolve_scales("sum", 4, prescale=1e-40)
+        resolve_scales("avg", 4, prescale=1e38)
+    with pytest.raises(ValueError, match="the prescale it leaves must be a finite, non-zero float32"):
+        resolve_scales(dist._make_nccl_premul_sum(1e30), 4, postscale=1e-10)
+    # a one-element tensor is a number, as ReduceOp.PREMUL_SUM's factor may be
+    assert resolve_scales("avg", 4, prescale=torch.tensor(0.5)) == (0.5, 0.5)
+    assert resolve_scales("sum", 4, postscale=torch.tensor([2.0], dtype=torch.float64)) == (0.5, 2.0)
+    for bad in (torch.tensor([0.5, 0.5]), torch.tensor(True), torch.tensor(1j)):
+        with pytest.raises(ValueError, match="prescale must be a number or a one-element real tensor"):
+            resolve_scales("avg", 4, prescale=bad)
     # ... and normal: a subnormal factor keeps few bits (2**-127 times 1e-3 is 24 bits short)
     for kwargs in (dict(prescale=2.0**-127), dict(postscale=-(2.0**-130)), dict(prescale=2.0**127)):
         with pytest.raises(ValueError, match="float32 of at least 2\\*\\*-126 in magnitude"):
