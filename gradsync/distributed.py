@@ -593,7 +593,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, op: str = "avg"
     encoded, and only the n-1 partial sums the peers sent are rounded to the codec, one rounding
     fewer than :func:`all_reduce` (at world size 1, none). ``op``, ``codec``,
     ``prescale``/``postscale``, ``async_op``, ``check_call`` and ``residual`` (here with
-    ``input``'s numel; a rank's residual over its own chunk becomes 0, as it encodes none of it) as
+    ``input``'s numel; a rank's residual over its own chunk becomes 0, as it encodes none of it, or
+    what storing the sum into a 16-bit ``output`` lost) as
     for :func:`all_reduce`. ``input`` is only read; ``output`` may be this rank's own chunk of it
     (in place), or memory of its own.
     """

@@ -54,8 +54,9 @@ void fp8_reduce_encode_feedback_cpu(Fp8Format format, const uint8_t* in, const v
 
 // A reduce-scatter's last hop, whose sum is this rank's result and goes on no wire: sum =
 // [decode(in) +] local * prescale [+ residual], each addition as in the kernels above (in and
-// residual may be null); out = cast<local_dtype>(sum * postscale). Nothing is encoded, so nothing is
-// lost to feed back: a residual becomes 0. out may be local itself.
+// residual may be null); out = cast<local_dtype>(sum * postscale). Nothing is encoded: a residual
+// becomes 0 for a float32 out, and what storing the sum lost for a 16-bit one
+// (store_residual). out may be local itself.
 void reduce_decode_cpu(const void* in, DType wire, const void* local, DType local_dtype, int64_t n, float prescale,
                        float postscale, float* residual, void* out);
 void fp8_reduce_decode_cpu(Fp8Format format, const uint8_t* in, const void* local, DType local_dtype, int64_t n,

@@ -855,7 +855,7 @@ constexpr int64_t kReducePiece = 16 * kFp8BlockSize;
 void reduce_decoded_piece(bool decoded, const void* local, DType lt, int64_t len, float prescale, float postscale,
                           float* residual, float* sum, void* out) {
   if (residual) {
-    // an fp32 "encoding" of the sum loses nothing: the residual becomes sum - sum = 0 (0 where not finite)
+    // the sum with the residual, which becomes sum - sum = 0 (0 where not finite) ...
     reduce_cast_feedback_cpu(decoded ? sum : nullptr, DType::kFloat32, local, lt, len, prescale, residual, sum);
   } else if (decoded) {
     reduce_cast_cpu(sum, DType::kFloat32, local, lt, len, prescale, sum);
@@ -863,6 +863,11 @@ void reduce_decoded_piece(bool decoded, const void* local, DType lt, int64_t len
     convert_cpu(local, lt, sum, DType::kFloat32, len, prescale, /*cache_result=*/true);
   }
   convert_cpu(sum, DType::kFloat32, out, lt, len, postscale);
+  if (!residual || lt == DType::kFloat32) return;
+  // ... but storing it into a 16-bit tensor rounds it: that loss is the residual
+  alignas(32) float stored[kReducePiece];
+  convert_cpu(out, lt, stored, DType::kFloat32, len, 1.0f, /*cache_result=*/true);
+  for (int64_t j = 0; j < len; ++j) residual[j] = store_residual(sum[j], stored[j], postscale);
 }
 
 }  // namespace

@@ -141,11 +141,10 @@ __global__ void __launch_bounds__(kThreads) fp8_reduce_decode_kernel(const uint8
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     float sum = hop_sum(fp8_to_float<F>(in[i]) * scales[i / kFp8BlockSize], load_one<L>(local, i) * prescale);
-    if constexpr (kResidual) {
-      sum = hop_sum(sum, residual[i]);
-      residual[i] = 0.0f;  // nothing was encoded, so nothing was lost
-    }
-    store_one<L>(out, i, sum * postscale);
+    if constexpr (kResidual) sum = hop_sum(sum, residual[i]);
+    const float stored = store_one<L>(out, i, sum * postscale);
+    // nothing was encoded; storing into a 16-bit tensor is the one rounding
+    if constexpr (kResidual) residual[i] = L == DType::kFloat32 ? 0.0f : store_residual(sum, stored, postscale);
   }
 }
 

@@ -64,6 +64,12 @@ GS_HD float feedback_residual(float sum, float decoded) {
   return is_finite_bits(float_bits(r) & 0x7fffffffu) ? r : 0.0f;
 }
 
+// Error feedback's residual where a sum is not encoded but stored, times postscale, into a 16-bit
+// tensor (a reduce-scatter's own chunk): that rounding is the one encoding the sum gets.
+GS_HD float store_residual(float sum, float stored, float postscale) {
+  return feedback_residual(sum, stored / postscale);
+}
+
 // Rounds a finite, non-negative float (given as bits) to a binary format with E exponent bits and
 // M mantissa bits (IEEE-style bias, subnormals, no sign) and returns its code. The code may exceed
 // the format's largest finite code: callers decide between saturation and infinity.

@@ -47,7 +47,8 @@ class CodecRingKernels : public RingKernels {
   // encoding lost (the *_feedback kernels of codec.h). Each rank encodes every element exactly once
   // per all-reduce (its reduce-scatter hops plus its own reduced chunk), so the residuals of all
   // ranks sum to the error of the result, and adding them to the next call's inputs cancels it. A
-  // reduce-scatter never encodes a rank's own chunk: its residual there becomes 0.
+  // reduce-scatter never encodes a rank's own chunk: its residual there becomes 0, or what storing
+  // the sum into a 16-bit result lost.
   void set_error_feedback(float* residual) { residual_ = residual; }
   // A reduce-scatter's result: `result` holds the buffer's elements [begin, begin + its length)
   // alone, and nothing is received or reduced in place there (result_as_payload is nullptr).

@@ -282,7 +282,7 @@ float element(const void* p, DType t, int64_t i) {
 }
 
 // The reduce-scatter's last hop, element by element from numerics.h: the sum is cast to the local
-// dtype, never encoded, and a residual becomes 0.
+// dtype, never encoded, and a residual becomes 0, or for a 16-bit dtype what that cast lost.
 void reduce_decode_reference(const uint8_t* in, Fp8Format* fp8, DType wire, const void* local, DType lt, int64_t n,
                              float prescale, float postscale, float* residual, void* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -295,13 +295,11 @@ void reduce_decode_reference(const uint8_t* in, Fp8Format* fp8, DType wire, cons
     } else if (in) {
       sum = hop_sum(element(in, wire, i), sum);
     }
-    if (residual) {
-      sum = hop_sum(sum, residual[i]);
-      residual[i] = 0.0f;
-    }
+    if (residual) sum = hop_sum(sum, residual[i]);
     const float v = sum * postscale;
     if (lt == DType::kFloat32) static_cast<float*>(out)[i] = v;
     else static_cast<uint16_t*>(out)[i] = lt == DType::kFloat16 ? float_to_half_bits(v) : float_to_bf16_bits(v);
+    if (residual) residual[i] = lt == DType::kFloat32 ? 0.0f : store_residual(sum, element(out, lt, i), postscale);
   }
 }
 
