@@ -44,7 +44,9 @@ class ReduceScatter(_ReduceScatterComm):
     on the wire ``codec``, summing in fp32. It takes each op FSDP2 asks for: an average, a sum, and
     after ``set_gradient_divide_factor(f)`` the pre-multiplied sum ``ReduceOp.PREMUL_SUM(1 / f)``
     (the factor applied to each rank's part before it is encoded, as gradsync's average applies
-    1/n).
+    1/n). The factor may change from step to step (a token count, say): it is checked across the
+    ranks with a layout's first call, and error feedback's residual carries over, paid back in the
+    gradients' units.
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once), and every call once there have been several layouts (a layout
@@ -85,12 +87,14 @@ class ReduceScatter(_ReduceScatterComm):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         try:
-            factor = _op_factor(op, group.size())
+            _op_factor(op, group.size())
         except (ValueError, AttributeError, RuntimeError):
             raise ValueError(f"gradsync.fsdp.ReduceScatter averages or sums (pre-multiplied or not), not {op!r}")
         _check_reduce_dtype(input_tensor.dtype, "ReduceScatter")
         layout = _layout(self._param_groups)
-        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, factor, layout)
+        # not the factor: one that changes every step (a token count) would make a layout, and a
+        # residual, per step. The residual is paid back in the results' units, whatever the factor.
+        key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, layout)
         residual = None
         if self.error_feedback:
             held = key + (_trainable(self._param_groups),)

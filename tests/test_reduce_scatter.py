@@ -503,6 +503,52 @@ def test_fsdp2_error_feedback_keeps_each_residual_with_its_parameter(worlds, swi
         assert float((got - reference).norm() / reference.norm()) < 0.1
 
 
+def changing_divide_factor(rank, size, steps):
+    """The mean over `steps` steps of one batch's gradients (times factor / size, the average's
+    units) with a divide factor that changes every step, as a token count would, per codec; and
+    how many layouts and residuals each module's reduce-scatter kept."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,))
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank))
+    means, kept = {}, {}
+    for mode in ("none", "fp8_e4m3", "fp8_e4m3+ef"):
+        torch.manual_seed(0)
+        model = Mlp()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        codec, _, ef = mode.partition("+")
+        fsdp.compress_reduce_scatter(model, codec, error_feedback=bool(ef))
+        total = 0
+        for step in range(steps):
+            factor = size * (1.0 + step / 1024)
+            for module in [*model.layers, model]:
+                module.set_gradient_divide_factor(factor)
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
+            total = total + torch.cat([p.grad.full_tensor().double().flatten() for p in model.parameters()]) * (
+                factor / size)
+        means[mode] = total / steps
+        comms = [layer._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for layer in model.layers]
+        kept[mode] = {(len(layouts._seen), len(c._residuals)) for c in comms for layouts in c._layouts.values()}
+    error = {mode: float((means[mode] - means["none"]).norm() / means["none"].norm()) for mode in means}
+    return error, kept
+
+
+def test_fsdp2_divide_factor_changing_every_step_keeps_one_layout_and_residual(worlds):
+    # before, the factor was part of a layout: a new layout (checked on every call once there were
+    # two) and a new zeroed residual the size of the module's gradients per step, kept for good,
+    # and error feedback that never paid anything back (the error of fp8 without it)
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    for error, kept in worlds(2).run(changing_divide_factor, 16):
+        assert kept == {"none": {(1, 0)}, "fp8_e4m3": {(1, 0)}, "fp8_e4m3+ef": {(1, 1)}}, kept
+        assert error["fp8_e4m3+ef"] < error["fp8_e4m3"] / 4, error  # 12x here
+
+
 def routed_experts(rank, size, hook):
     """Without error feedback FSDP2 reduce-scatters only the parameters that got a gradient: after a
     step with both experts and one with expert a everywhere, rank 0 routes to a alone and rank 1 to
