@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "engine.h"
@@ -115,12 +116,12 @@ void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, double sc
       describe(stand_in, s);
     }
     s.flat_offset = offset;
+    TORCH_CHECK(s.numel <= flat.numel() - offset, "gradsync: the flat buffer holds ", flat.numel(),
+                " elements, fewer than the tensors up to tensors[", i, "]");
     char* flat_at = static_cast<char*>(flat.data_ptr()) + offset * fsize;
     s.aligned = s.ndim == 0 && is_aligned16(s.data) && is_aligned16(flat_at);
     offset += s.numel;
   }
-  TORCH_CHECK(offset <= flat.numel(), "gradsync: the flat buffer holds ", flat.numel(), " elements, the tensors ",
-              offset);
   if (flat.is_cuda()) {
 #ifdef GRADSYNC_WITH_CUDA
     const c10::cuda::CUDAGuard guard(flat.device());
@@ -285,6 +286,7 @@ int64_t plain_numel(const std::vector<at::Tensor>& tensors, const c10::optional<
                        start == lo + static_cast<uintptr_t>(offset * buf->element_size());
       spans.push_back({start, start + static_cast<uintptr_t>((last + 1) * t.element_size()), own});
     }
+    if (n > std::numeric_limits<int64_t>::max() - offset) return -1;  // ops.py sums them without overflow
     offset += n;
   }
   const uintptr_t hi = buf ? lo + static_cast<uintptr_t>(std::min(offset, buf->numel()) * buf->element_size()) : 0;
@@ -369,6 +371,61 @@ TORCH_LIBRARY(gradsync, m) {
   }
 GRADSYNC_REGISTER_KERNELS(CPU)
 GRADSYNC_REGISTER_KERNELS(CUDA)
+
+// Called as torch.ops.gradsync.* directly, the kernels keep autograd's books as torch's in-place
+// ops do (torch's own fallbacks for custom operators bump only arguments that a result aliases, and
+// these return nothing): with grad mode on, a write into a tensor that requires grad raises (the
+// kernels are not differentiable), and every write bumps the version of what it mutates, so a
+// tensor saved for backward and then overwritten fails backward.
+namespace {
+template <typename F>
+void for_each_written(const c10::OperatorHandle& op, const torch::jit::Stack& stack, F f) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = args[i].alias_info();
+    if (!alias || !alias->isWrite()) continue;
+    const c10::IValue& value = stack[first + i];
+    if (value.isTensor()) f(args[i].name(), value.toTensor());
+    if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) f(args[i].name(), t);
+    }
+  }
+}
+
+void refuse_tracked_writes(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (at::GradMode::is_enabled()) {
+    for_each_written(op, *stack, [&](const std::string& name, const at::Tensor& t) {
+      TORCH_CHECK(!t.defined() || !t.requires_grad(), op.schema().name(), ": ", name, " requires grad, and gradsync's "
+                  "kernels are not differentiable: write into it under torch.no_grad() (or pass its .detach())");
+    });
+  }
+  at::AutoDispatchBelowAutograd below;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  std::vector<at::Tensor> written;
+  for_each_written(op, *stack, [&](const std::string&, const at::Tensor& t) { written.push_back(t); });
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) {
+    if (t.defined()) torch::autograd::impl::bump_version(t);
+  }
+}
+}  // namespace
+
+#define GRADSYNC_REGISTER_AUTOGRAD(KEY, KERNEL) \
+  TORCH_LIBRARY_IMPL(gradsync, KEY, m) {        \
+    m.impl("flatten_into", KERNEL);             \
+    m.impl("unflatten_from", KERNEL);           \
+    m.impl("fp8_encode", KERNEL);               \
+    m.impl("fp8_decode", KERNEL);               \
+  }
+GRADSYNC_REGISTER_AUTOGRAD(Autograd, torch::CppFunction::makeFromBoxedFunction<&refuse_tracked_writes>())
+GRADSYNC_REGISTER_AUTOGRAD(ADInplaceOrView, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>())
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace gradsync;

@@ -71,13 +71,16 @@ def _check_tensor(value, name):
         _check_memory(value, name, "the kernels")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # without an address, their storage was freed
+
+
 def _check_memory(t, name, reader):
     """What ``reader`` reads and writes through the tensor's address: its own elements, signed as stored."""
-    if t.numel() and not _data_ptr(t):
+    if t.numel() and not _data_ptr(t) and (_storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS):
         raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
                          "pass plain tensors")
     if not _within_storage(t):
-        raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the view was made)")
+        raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the tensor was made)")
     if t.is_neg():
         raise ValueError(f"{name} is a negative view (torch._neg_view), whose sign {reader} would not apply; "
                          f"pass {name}.resolve_neg()")
@@ -89,7 +92,15 @@ def _within_storage(t):
     if not t.numel():
         return True
     last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
+    return (last + 1) * t.element_size() <= (_storage_nbytes(t) or 0)
+
+
+def _storage_nbytes(t):
+    """None for a tensor without storage."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _data_ptr(t):
@@ -379,13 +390,6 @@ def _copy_back(written, targets):
             target.copy_(fresh)
 
 
-def _mark_written(tensors):
-    # bumps the version counters, as an in-place torch op does, so that autograd sees a tensor it
-    # saved for backward was overwritten (a compiled graph's functionalized writes need no bump)
-    if not _compiling():
-        torch.autograd.graph.increment_version(tensors)
-
-
 def payload_nbytes(codec: str, numel: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes on the wire for ``numel`` elements under ``codec`` (``dtype``: the input dtype, used by "none")."""
     _check_codec(codec)
@@ -418,6 +422,8 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
     if not plain:
         _check_tensor_list(tensors, "tensors")
         numel = sum(t.numel() for t in tensors)
+        if numel >= 2**63:  # expanded views, say: more than one tensor can hold
+            raise ValueError(f"tensors hold {numel} elements together, more than a tensor can (2**63 - 1)")
     scale = _check_scale(scale)
     dtype_name = "dtype"
     if dtype is None:
@@ -442,7 +448,6 @@ def flatten(tensors, *, dtype: Optional[torch.dtype] = None, scale: float = 1.0,
         [written] = _fresh_under_compile([out])
     _KERNELS.flatten_into.default(tensors, written, scale)
     _copy_back([written], [out])
-    _mark_written(out)
     return out
 
 
@@ -477,7 +482,6 @@ def unflatten(flat: torch.Tensor, tensors, *, scale: float = 1.0) -> None:
     written = _fresh_under_compile(tensors)
     _KERNELS.unflatten_from.default(flat, written, scale)
     _copy_back(written, tensors)
-    _mark_written(tensors)
 
 
 def _check_destinations(read, tensors):
@@ -533,7 +537,6 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
         _check_fp8_payload_alignment(out, "out")
         _KERNELS.fp8_encode.default(x.contiguous().view(-1), written, _CODEC_IDS[codec], scale)
     _copy_back([written], [out])
-    _mark_written(out)
     return out
 
 
@@ -574,5 +577,4 @@ def decompress(payload: torch.Tensor, codec: str, numel: int, *, dtype: torch.dt
         _check_fp8_payload_alignment(payload, "payload")
         _KERNELS.fp8_decode.default(payload.view(-1), written, _CODEC_IDS[codec], scale)
     _copy_back([written], [out])
-    _mark_written(out)
     return out

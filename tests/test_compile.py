@@ -51,6 +51,42 @@ def test_the_operators_write_what_they_are_given_and_return_nothing():
     assert KERNELS.flatten_into([meta], meta, 1.0) is None
 
 
+@pytest.mark.parametrize("op", ["flatten_into", "unflatten_from", "fp8_encode", "fp8_decode"])
+def test_the_operators_keep_autograds_books_as_in_place_ops_do(op):
+    # called directly, as well as through gradsync's functions: before, a write neither bumped the
+    # version of what it wrote (a tensor saved for backward and then overwritten gave a wrong
+    # gradient, silently) nor refused a leaf that requires grad
+    def call(target, scale=1.0):
+        x = torch.randn(300)
+        args = {"flatten_into": ([x], target, scale), "unflatten_from": (x, [target], scale),
+                "fp8_encode": (x, target, FP8_IDS["fp8_e4m3"], scale),
+                "fp8_decode": (gradsync.compress(x, "fp8_e4m3"), target, FP8_IDS["fp8_e4m3"], scale)}[op]
+        getattr(KERNELS, op)(*args)
+
+    shape = gradsync.compress(torch.randn(300), "fp8_e4m3").shape if op == "fp8_encode" else (300,)
+    dtype = torch.uint8 if op == "fp8_encode" else torch.float32
+    target = torch.zeros(shape, dtype=dtype)
+    call(target)
+    assert target._version == 1
+    if op != "fp8_encode":  # a float target: saved for backward, overwritten, and backward refuses
+        a = torch.rand(300, requires_grad=True)
+        b = a * 1
+        loss = (b * b).sum()  # saves b
+        with torch.no_grad():
+            call(b)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        leaf = torch.zeros(300, requires_grad=True)
+        with pytest.raises(RuntimeError, match=f"gradsync::{op}: .* requires grad, and gradsync's kernels are not "
+                                               "differentiable"):
+            call(leaf)
+        with torch.no_grad():
+            call(leaf, 2.0)
+        assert leaf._version == 1 and leaf.requires_grad
+    with torch.inference_mode():
+        call(torch.zeros(shape, dtype=dtype))  # no versions there
+
+
 def test_eager_use_leaves_torch_compile_unloaded(tmp_path):
     # torch._dynamo takes about a second to import, and gradsync's eager calls never need it
     code = ("import sys, torch, gradsync\n"

@@ -88,12 +88,20 @@ def _shrunk_views():
         v = base[offset:]
         base.untyped_storage().resize_(16)
         return v
+
+    def freed():
+        t = torch.randn(10)
+        t.untyped_storage().resize_(0)
+        return t
     return [
         (lambda: gradsync.flatten([view()]), r"tensors\[0\] reaches past the end of its storage"),
         (lambda: gradsync.flatten([x], out=view(18, 8)), "out reaches past the end of its storage"),
         (lambda: gradsync.unflatten(torch.zeros(56), [view()]), r"tensors\[0\] reaches past the end of its storage"),
         (lambda: gradsync.compress(view(), "fp8_e4m3"), "x reaches past the end of its storage"),
         (lambda: gradsync.compress(view(), "fp16"), "reaches past the end of its storage"),
+        # the storage freed under a tensor of its own: no address left, but not a wrapper subclass
+        (lambda: gradsync.flatten([freed()]), r"tensors\[0\] reaches past the end of its storage"),
+        (lambda: gradsync.decompress(freed(), "none", 10), "payload reaches past the end of its storage"),
         (lambda: gradsync.flatten([torch.randn(64)[8:]]), None),  # a control: the same view, its storage whole
     ]
 
@@ -124,6 +132,17 @@ def test_the_operators_guard_the_kernels_too():
     kernels = torch.ops.gradsync
     with pytest.raises(RuntimeError, match="flat buffer holds 5 elements"):
         kernels.flatten_into([x], torch.empty(5), 1.0)
+    # expanded views whose elements add up past int64 (before, the count wrapped to a small number,
+    # which the buffer passed, and the kernel wrote past it)
+    huge = torch.zeros(1).expand(2**62)
+    for tail in ([], [torch.ones(8)]):
+        with pytest.raises(RuntimeError, match="flat buffer holds 8 elements, fewer than the tensors up to tensors\\[1\\]"):
+            kernels.flatten_into([torch.ones(8), huge, huge, huge, huge, *tail], torch.empty(8), 1.0)
+        assert _C.plain_numel([huge] * 4 + tail, None, False) == -1
+        for out in (None, torch.empty(8)):
+            with pytest.raises(ValueError, match=f"tensors hold {2**64 + len(tail) * 8} elements together, more "
+                                                 "than a tensor can"):
+                gradsync.flatten([huge] * 4 + tail, out=out)
     with pytest.raises(RuntimeError, match="fp8 payload of 10 elements is 20"):
         kernels.fp8_encode(x, torch.empty(3, dtype=torch.uint8), 3, 1.0)
     with pytest.raises(RuntimeError, match="not an fp8 codec id"):
