@@ -92,7 +92,9 @@ class _Bucket:
                 view.zero_()
             else:
                 view.copy_(grad)
-            self.params[j].grad = view
+            if grad is None or not grad.requires_grad:
+                self.params[j].grad = view
+            # else create_graph=True made it: it keeps its graph, and the average is written into it
 
     @torch.no_grad()
     def drop_views(self):
@@ -555,8 +557,9 @@ class DataParallel(torch.nn.Module, Joinable):
         self._root = dist.get_global_rank(self.process_group, 0)
         self._bucket_cap_mb, self._error_feedback = bucket_cap_mb, error_feedback  # for copies
         if not _copying.get():  # a copy is made on one rank, of a replica that was checked and broadcast
-            self._check_replicas(dict(codec=codec, bucket_cap_mb=float(bucket_cap_mb),
+            self._check_replicas(dict(codec=codec, bucket_cap_mb=float(bucket_cap_mb), error_feedback=error_feedback,
                                       broadcast_buffers=broadcast_buffers,
+                                      find_unused_parameters=find_unused_parameters,
                                       gradient_as_bucket_view=gradient_as_bucket_view))
             self._broadcast(list(module.parameters()) + list(module.buffers()))
         self._buffer_layouts = [(b.shape, b.dtype) for b in module.buffers()]  # as every rank agreed
@@ -1021,9 +1024,11 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError(
                 f"gradsync.DataParallel: parameter {self._name(param)!r} received a gradient, but "
                 "find_unused_parameters=True found it unreachable from the forward's output, so its bucket does not "
-                "wait for it (it is used outside the wrapped forward or inside a reentrant activation checkpoint, or "
-                "the output holds it in a type other than tensors, lists, tuples, dicts and dataclasses). Use it "
-                "inside the forward, torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "wait for it (it is used outside the wrapped forward, in a forward under no_sync() whose output "
+                "this backward runs through too (only the forwards outside no_sync() are walked), inside a "
+                "reentrant activation checkpoint, or the output holds it in a type other than tensors, lists, "
+                "tuples, dicts and dataclasses). Use it inside the forward, backward each no_sync() forward within "
+                "no_sync(), torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
                 "find_unused_parameters=False")
         self._arrived.add(id(param))
         if not self._rebuilt:
@@ -1204,6 +1209,8 @@ class DataParallel(torch.nn.Module, Joinable):
                         bucket.view(j).copy_(bucket.saved_grads[j])
                     if j in bucket.saved_residuals:
                         bucket.segment(j, bucket.residual).copy_(bucket.saved_residuals[j])
+                elif p.grad is not None and p.grad.requires_grad:  # with its graph (see adopt)
+                    p.grad.copy_(bucket.view(j))
                 elif not bucket.holds(j):
                     p.grad = bucket.view(j)
             return

@@ -967,11 +967,17 @@ def views_at_the_edges(rank, size):
         out[f"channels_last {views}"] = [p.grad.clone() for p in net.parameters()]
         out[f"layouts {views}"] = [p.grad.stride() == p.stride() for p in net.parameters()]
 
-    model = gradsync.DataParallel(make_net(), codec="none", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
     x, y = batch(rank, 0)
-    torch.autograd.backward(F.mse_loss(model(x), y), create_graph=True)  # the buckets stay out of the graph
+    averages = []
+    for graph in (False, True):
+        model = gradsync.DataParallel(make_net(), codec="none", bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+        torch.autograd.backward(F.mse_loss(model(x), y), create_graph=graph)  # the buckets stay out of the graph
+        averages.append([p.grad.detach().clone() for p in model.parameters()])
+    # ... and the gradients keep theirs, the averages written into them, as without views (before,
+    # the views replaced them: a gradient penalty through them came out 0, silently)
     out["create_graph"] = (not any(b.buffer.requires_grad for b in model._buckets),
-                           all(p.grad.grad_fn is None for p in model.parameters()))
+                           all(p.grad.grad_fn is not None for p in model.parameters())
+                           and all(torch.equal(a, b) for a, b in zip(*averages)))
     model.zero_grad(set_to_none=False)
 
     segments = Segments(False)  # a backward that raises once the buckets of layers 3 to 1 went out
@@ -1219,6 +1225,36 @@ def test_data_parallel_warns_once_that_create_graph_differentiates_the_local_gra
     assert len(caught) == 1 and "create_graph=True" in caught[0] and "not the average" in caught[0]
 
 
+class TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x, branch):
+        return (self.a if branch == "a" else self.b)(x)
+
+
+def no_sync_forward_in_a_synced_backward(rank, size):
+    """A forward under no_sync() (branch a), a synchronized one (branch b), one backward of both: the
+    walk of find_unused_parameters=True sees the second alone."""
+    torch.manual_seed(0)
+    model = gradsync.DataParallel(TwoBranches(), codec="none", find_unused_parameters=True)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    with model.no_sync():
+        first = model(x, "a").sum()
+    try:
+        (first + model(x, "b").sum()).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_data_parallel_names_a_no_sync_forward_that_a_synced_backward_runs_through(worlds):
+    for error in worlds(2).run(no_sync_forward_in_a_synced_backward):
+        assert error is not None and "parameter 'a." in error and "in a forward under no_sync() whose output this " \
+            "backward runs through too" in error, error
+
+
 def rank_0_evaluates_alone(rank, size):
     """Rank 0 alone runs forwards in eval mode and without gradients after a synchronized step (DDP
     would broadcast buffers there, and wait for the others); then both ranks train a step."""
@@ -1406,6 +1442,8 @@ def different_models(rank, size):
                          {"gradient_as_bucket_view": True}),
         "codec": (Grid((4, 6)), {"codec": "fp16" if rank == 0 else "bf16"}),
         "bucket size": (Grid((4, 6)), {"bucket_cap_mb": 1 + rank}),
+        "error feedback": (Grid((4, 6)), {"codec": "fp8_e4m3", "error_feedback": rank == 0}),
+        "unused parameters": (Grid((4, 6)), {"find_unused_parameters": rank == 1}),
         "parameter count": (Grid((4, 6)), {}),
         "buffer count": (Grid((4, 6)), {}),
     }
@@ -1432,6 +1470,9 @@ def test_data_parallel_refuses_ranks_that_wrap_different_models(worlds):
                 "parameter 'conv.weight' differs" in messages[case], (case, messages[case])
         assert "the wrapper's settings differ" in messages["codec"] and "codec=" in messages["codec"]
         assert "the wrapper's settings differ" in messages["bucket size"]
+        assert "the wrapper's settings differ" in messages["error feedback"] and "error_feedback=" in \
+            messages["error feedback"]
+        assert "find_unused_parameters=" in messages["unused parameters"]
         assert "the number of parameters differs across ranks (here " in messages["parameter count"]
         assert "between 3 and 5" in messages["parameter count"]
         assert "the number of buffers differs" in messages["buffer count"]
