@@ -77,9 +77,10 @@ void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the ker
   TORCH_CHECK((t.is_cpu() || t.is_cuda()) && t.layout() == at::kStrided,
               "gradsync: the kernels take dense CPU or CUDA tensors, got a ", t.layout(), " tensor on ", t.device());
   TORCH_CHECK(t.numel() == 0 || (t.has_storage() && t.data_ptr() != nullptr),
-              "gradsync: the kernels take tensors with memory of their own");
+              "gradsync: the kernels take tensors with memory of their own (not a wrapper subclass, nor one whose "
+              "storage was freed)");
   TORCH_CHECK_VALUE(within_storage(t), "gradsync: a tensor reaches past the end of its storage (resized or freed "
-                    "since the view was made)");
+                    "since the tensor was made)");
 }
 
 void check_scale(double scale) {  // ops.py checks it too, except for a scale traced by torch.compile

@@ -1024,8 +1024,8 @@ class DataParallel(torch.nn.Module, Joinable):
             raise RuntimeError(
                 f"gradsync.DataParallel: parameter {self._name(param)!r} received a gradient, but "
                 "find_unused_parameters=True found it unreachable from the forward's output, so its bucket does not "
-                "wait for it (it is used outside the wrapped forward, in a forward under no_sync() whose output "
-                "this backward runs through too (only the forwards outside no_sync() are walked), inside a "
+                "wait for it (it is used outside the wrapped forward, in a forward under no_sync() made before "
+                "the step's synchronized forward whose output this backward runs through too, inside a "
                 "reentrant activation checkpoint, or the output holds it in a type other than tensors, lists, "
                 "tuples, dicts and dataclasses). Use it inside the forward, backward each no_sync() forward within "
                 "no_sync(), torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "

@@ -70,7 +70,7 @@ class AllReduceWork:
 
         ``timeout`` (a ``timedelta`` or seconds) bounds this wait alone: past it, ``RuntimeError``, and
         the call goes on (its tensors are not to be touched until a later ``wait()`` returns), bounded
-        by the group's own timeout.
+        by the group's own timeout. 0, as for ``Work.wait()``, is no bound.
         """
         seconds = _wait_seconds(timeout)
         if self._unfinished_in_forked_child():
@@ -104,7 +104,7 @@ class AllReduceWork:
 
 
 def _wait_seconds(timeout):
-    """-1 for no timeout."""
+    """-1 for no timeout (None, or 0 as torch's Work.wait takes it)."""
     if timeout is None:
         return -1.0
     if isinstance(timeout, datetime.timedelta):
@@ -115,7 +115,7 @@ def _wait_seconds(timeout):
         raise TypeError(f"timeout must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
     if not seconds >= 0:
         raise ValueError(f"timeout must be at least 0 seconds, got {timeout!r}")
-    return seconds
+    return seconds or -1.0
 
 
 def _check_flag(value, name):

@@ -44,9 +44,9 @@ class ReduceScatter(_ReduceScatterComm):
     on the wire ``codec``, summing in fp32. It takes each op FSDP2 asks for: an average, a sum, and
     after ``set_gradient_divide_factor(f)`` the pre-multiplied sum ``ReduceOp.PREMUL_SUM(1 / f)``
     (the factor applied to each rank's part before it is encoded, as gradsync's average applies
-    1/n). The factor may change from step to step (a token count, say): it is checked across the
-    ranks with a layout's first call, and error feedback's residual carries over, paid back in the
-    gradients' units.
+    1/n). The factor may change from step to step (a token count, say): error feedback's residual
+    carries over, paid back in the gradients' units, and the factor is checked across the ranks
+    with a layout's first call only (give every rank the same one).
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once), and every call once there have been several layouts (a layout

@@ -1,4 +1,5 @@
 """gradsync.reduce_scatter on gloo ranks against fp64, and as FSDP2's gradient reduce-scatter."""
+import itertools
 import time
 
 import pytest
@@ -49,33 +50,34 @@ def last_hop_sums(rank, size):
     sum takes each rank's residual, and this rank's residual over its own chunk, which it never
     encodes, becomes 0, or for a 16-bit dtype what storing the sum lost (in fp32, bit for bit)."""
     chunk, peer = 3 * 2048 + 77, 1 - rank
-    prescale, postscale = resolve_scales("avg", size)
     exact = {}
-    for codec in gradsync.CODECS:
-        for dtype_name, dtype in DTYPES.items():
-            for feedback in (False, True):
-                xs = [rank_input(r, chunk * size, dtype, seed=21) for r in range(size)]
-                res = [rank_input(r, chunk * size, torch.float32, seed=22) * 1e-3 for r in range(size)]
-                mine = slice(rank * chunk, (rank + 1) * chunk)
-                residual = res[rank].clone() if feedback else None
-                out = torch.empty(chunk, dtype=dtype)
-                gradsync.reduce_scatter(out, xs[rank], codec=codec, residual=residual)
-                total = xs[rank][mine].float() * prescale
-                if size == 2:
-                    sent = xs[peer][mine].float() * prescale
-                    if feedback:
-                        sent = sent + res[peer][mine]
-                    payload = gradsync.compress(sent.to(dtype) if codec == "none" else sent, codec)  # "none": the dtype
-                    total = gradsync.decompress(payload, codec, chunk) + total
-                if feedback:
-                    total = total + res[rank][mine]
-                expected = (total * postscale).to(dtype)
-                ok = same_bits_up_to_nan_payload(out, expected)
-                if feedback:
-                    lost = total - expected.float() / postscale
-                    lost[~lost.isfinite()] = 0.0
-                    ok = ok and torch.equal(residual[mine], torch.zeros_like(lost) if dtype_name == "float32" else lost)
-                exact[(codec, dtype_name, feedback)] = ok
+    # the whole factor before the sum, or a postscale too (what the rounding lost is then divided by it)
+    for codec, dtype_name, split, feedback in itertools.product(gradsync.CODECS, DTYPES, ("prescale", "both"),
+                                                                (False, True)):
+        dtype = DTYPES[dtype_name]
+        prescale, postscale = resolve_scales("avg", size, prescale=None if split == "prescale" else 3.0)
+        xs = [rank_input(r, chunk * size, dtype, seed=21) for r in range(size)]
+        res = [rank_input(r, chunk * size, torch.float32, seed=22) * 1e-3 for r in range(size)]
+        mine = slice(rank * chunk, (rank + 1) * chunk)
+        residual = res[rank].clone() if feedback else None
+        out = torch.empty(chunk, dtype=dtype)
+        gradsync.reduce_scatter(out, xs[rank], codec=codec, residual=residual, prescale=prescale, postscale=postscale)
+        total = xs[rank][mine].float() * prescale
+        if size == 2:
+            sent = xs[peer][mine].float() * prescale
+            if feedback:
+                sent = sent + res[peer][mine]
+            payload = gradsync.compress(sent.to(dtype) if codec == "none" else sent, codec)  # "none": the dtype
+            total = gradsync.decompress(payload, codec, chunk) + total
+        if feedback:
+            total = total + res[rank][mine]
+        expected = (total * postscale).to(dtype)
+        ok = same_bits_up_to_nan_payload(out, expected)
+        if feedback:
+            lost = total - expected.float() / postscale
+            lost[~lost.isfinite()] = 0.0
+            ok = ok and torch.equal(residual[mine], torch.zeros_like(lost) if dtype_name == "float32" else lost)
+        exact[(codec, dtype_name, split, feedback)] = ok
     return exact
 
 
@@ -215,15 +217,16 @@ def scatter_cuda_matches_cpu(rank, size):
             gradsync.reduce_scatter(on_cpu, x, codec=codec)
             gradsync.reduce_scatter(on_gpu, x.cuda(), codec=codec)
             same[(codec, dtype_name)] = same_bits_up_to_nan_payload(on_gpu, on_cpu)
-        for dtype in (torch.float32, torch.bfloat16):  # a 16-bit output's rounding goes into the residual
+        # a 16-bit output's rounding goes into the residual, divided by the postscale
+        for dtype, prescale in itertools.product(DTYPES.values(), (None, 3.0)):
             x = rank_input(rank, chunk * size, dtype, seed=12)
             residual = rank_input(rank, x.numel(), torch.float32, seed=13) * 1e-3
             cpu_residual, gpu_residual = residual.clone(), residual.cuda()
             on_cpu, on_gpu = torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype, device="cuda")
-            gradsync.reduce_scatter(on_cpu, x, codec=codec, residual=cpu_residual)
-            gradsync.reduce_scatter(on_gpu, x.cuda(), codec=codec, residual=gpu_residual)
-            same[(codec, "feedback", str(dtype))] = (same_bits_up_to_nan_payload(on_gpu, on_cpu)
-                                                     and same_bits_up_to_nan_payload(gpu_residual, cpu_residual))
+            gradsync.reduce_scatter(on_cpu, x, codec=codec, residual=cpu_residual, prescale=prescale)
+            gradsync.reduce_scatter(on_gpu, x.cuda(), codec=codec, residual=gpu_residual, prescale=prescale)
+            same[(codec, "feedback", str(dtype), prescale)] = (
+                same_bits_up_to_nan_payload(on_gpu, on_cpu) and same_bits_up_to_nan_payload(gpu_residual, cpu_residual))
     return same
 
 
