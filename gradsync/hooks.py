@@ -11,8 +11,9 @@ once, so the bucket travels while autograd computes the gradients of earlier lay
 encodes the bucket slice by slice as it sends (the fused scale-and-encode kernel), accumulates in
 fp32 at every hop, and decodes the average back into the bucket; every rank ends with the same bits.
 
-Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at every hop, nothing is
-rounded to the wire format before it is added. Inf and NaN survive every codec, so
+Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at every hop, a rank's own
+gradients are never rounded to the wire format before they are added: each hop adds them in fp32
+to the partial sum it received, and only that sum goes on the wire in the codec. Inf and NaN survive every codec, so
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
 import os
@@ -241,14 +242,26 @@ def _resolve_state(state):
                     f"got {type(state).__name__}")
 
 
+def _check_bucket(bucket, hook):
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(f"gradsync.hooks.{hook} takes DDP's GradBucket, got {type(bucket).__name__}: torch.compile "
+                        "with torch._dynamo.config.optimize_ddp='python_reducer' hands hooks one (grad, param) "
+                        "tuple at a time, which gradsync's hooks do not take; keep optimize_ddp's default")
+
+
 def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torch.futures.Future[torch.Tensor]:
+    _check_bucket(bucket, "the hook")
     group, options = _resolve_state(state)
     codec = codec or options.codec
     buffer = bucket.buffer()
-    _check_dense(buffer)
-    reduced = _reducible(buffer, codec)
-    residual = options.residual(bucket) if _check_flag(options.error_feedback, "state.error_feedback") else None
     check = options.needs_check(bucket, codec)
+    try:
+        _check_dense(buffer)
+        reduced = _reducible(buffer, codec)
+        residual = options.residual(bucket) if _check_flag(options.error_feedback, "state.error_feedback") else None
+    except Exception as error:  # this rank's turn in the call all the same, so that its peers raise too
+        _refuse(group, buffer, check, _ALL_REDUCE, error)
+        raise
     work = all_reduce(reduced, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
                       async_op=True, residual=residual, check_call=check)
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
@@ -476,6 +489,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """
     if not isinstance(state, HierarchicalState):
         raise TypeError(f"hierarchical_hook takes a gradsync.hooks.HierarchicalState, got {type(state).__name__}")
+    _check_bucket(bucket, "hierarchical_hook")
     buffer = bucket.buffer()
     check = state.needs_check(bucket, state.codec)
     try:

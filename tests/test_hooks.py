@@ -359,6 +359,40 @@ def test_a_failed_hierarchical_step_fails_on_every_rank(worlds):
     assert all("group rank(s) " in m and "could not prepare" in m for m in refused[:3]), refused
 
 
+def hook_failing_on_one_rank(rank, size):
+    """Rank 1 cannot allocate its residual in the hook (out of memory, say): it still takes its turn
+    in the call, so rank 0's backward raises at once, naming it, rather than at the group's timeout."""
+    state = hooks.GradSyncState(codec="fp8_e4m3", error_feedback=True)
+    if rank == 1:
+        def out_of_memory(bucket):
+            raise MemoryError("no memory for the residual")
+        state.residual = out_of_memory
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(state, hooks.fp8_compress_hook)
+    x, y = batch(rank, 0)
+    start = time.monotonic()
+    with pytest.raises(Exception) as error:
+        F.mse_loss(ddp(x), y).backward()
+    return str(error.value), time.monotonic() - start
+
+
+def test_a_hook_that_fails_on_one_rank_fails_on_every_rank_at_once(worlds):
+    (peer, peer_took), (failed, failed_took) = worlds(2).run(hook_failing_on_one_rank)
+    assert "no memory for the residual" in failed, failed
+    assert "group rank(s) 1 could not prepare the call" in peer, peer
+    assert peer_took < 10 and failed_took < 10, (peer_took, failed_took)
+
+
+def test_hooks_refuse_what_is_not_a_bucket():
+    # torch.compile's optimize_ddp="python_reducer" calls a hook with one (grad, param) tuple
+    grad, param = torch.randn(3), torch.nn.Parameter(torch.randn(3))
+    for hook, state in ((hooks.fp16_compress_hook, None), (hooks.allreduce_hook, hooks.GradSyncState()),
+                        (hooks.hierarchical_hook, object.__new__(hooks.HierarchicalState))):
+        with pytest.raises(TypeError, match="takes DDP's GradBucket, got tuple: torch.compile with "
+                                            "torch._dynamo.config.optimize_ddp='python_reducer'"):
+            hook(state, (grad, param))
+
+
 def shard_residuals_on_rebuild(rank, size):
     """DDP rebuilds its buckets after the first step: a parameter's old shard residual goes with its
     old bucket, and the residuals of buckets untouched stay."""
