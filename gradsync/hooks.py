@@ -58,7 +58,8 @@ class GradSyncState:
     error feedback from zeros (as DeepSpeed's 1-bit Adam does on loading) and checks its buckets
     again. A process group cannot be saved: a state made for the default group (None or
     ``dist.group.WORLD``) loads with None; one made for another group raises when its hook runs
-    until ``state.process_group`` is set again.
+    until ``state.process_group`` is set again. Set to another group, a state checks its buckets
+    again there.
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, codec: str = "fp16",
@@ -84,6 +85,8 @@ class GradSyncState:
         _check_member(group, "process_group")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        if getattr(self, "_process_group", group) is not group:  # agreed on another group: check again
+            self._checked = {}
         self._process_group = group
         self._group_not_loaded = False
 

@@ -174,7 +174,13 @@ def checkpointed_states(rank, size):
     with pytest.raises(RuntimeError, match="set state.process_group to that group"):
         ef_steps(rank, sub, make_net(), 1)
     sub.process_group = group
-    ef_steps(rank, sub, make_net(), 1)
+    trained = ef_steps(rank, sub, make_net(), 1)
+    # a bucket agreed on one group is checked again on another (the record goes with the model)
+    assert sub._checked and trained
+    sub.process_group = group
+    assert sub._checked
+    sub.process_group = None
+    assert sub._checked == {}
     assert saved_and_loaded(hooks.GradSyncState(dist.group.WORLD))._group_not_loaded is False
     with pytest.raises(TypeError, match="holds process groups, which cannot be saved"):
         pickle.dumps(hooks.HierarchicalState(local_size=size))
