@@ -120,6 +120,13 @@ GPU_ASSUMED = memory_bound_kernels(H200_HBM, "ASSUMED GPU kernels: memory-bound 
                                    hop=GPU_HOP_HOST, slice_bytes=NCCL_SLICE_BYTES)
 
 
+def _check_positive(value, what):
+    """A measurement the model divides by or adds up: a finite number above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+    return value
+
+
 def cpu_kernels(path):
     """Single-thread kernel costs from a bench_kernels.py JSON: the largest single-buffer case.
 
@@ -133,8 +140,12 @@ def cpu_kernels(path):
     if not single:
         raise ValueError(f"{path} has no single-buffer case (bench_kernels.py without --sets-only writes them)")
     case = max(single, key=lambda r: r["count"])["case"]
-    per_elem = {r["op"]: r["time_ms"] * 1e-3 / r["count"] for r in run["rows"] if r["case"] == case}
-    copy = run["meta"]["copy_gbps"] * 1e9
+    rows = [r for r in run["rows"] if r["case"] == case]
+    for r in rows:
+        _check_positive(r["time_ms"], f"{path}: time_ms of '{r['op']}'")
+        _check_positive(r["count"], f"{path}: count of '{r['op']}'")
+    per_elem = {r["op"]: r["time_ms"] * 1e-3 / r["count"] for r in rows}
+    copy = _check_positive(run["meta"]["copy_gbps"], f"{path}: meta.copy_gbps") * 1e9
     enc = {"none": 8 / copy}
     dec = {"none": 0.0}
     for codec, measured in (("fp16", "fp16"), ("bf16", "fp16"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e4m3")):
@@ -163,6 +174,8 @@ def gpu_kernels(kernels_path, hop_path=None):
             issue = [r["issue_us"] for r in json.load(f)["rows"] if r["communicator"] == "non-blocking"]
         if not issue:
             raise ValueError(f"{hop_path} has no row of the non-blocking communicator")
+        for value in issue:
+            _check_positive(value, f"{hop_path}: issue_us")
         hop, how = statistics.median(issue) * 1e-6, "measured"
     name = f"GPU kernels measured ({os.path.basename(kernels_path)}), {hop * 1e6:.0f} us of host per hop ({how})"
     return replace(measured, name=name, hop=hop, slice_bytes=NCCL_SLICE_BYTES, direct_bytes=0)
@@ -404,6 +417,8 @@ def emulated_setup(netem, kernels_path, loopback_path, latencies_from=None):
     loopback) run n / cores times slower.
     """
     n = netem["meta"]["ranks"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"the netem report's meta.ranks must be a number of hosts of at least 2, got {n!r}")
     kernels = cpu_kernels(kernels_path)
     with open(loopback_path) as f:
         kernels = replace(kernels, network=host_network_cost(json.load(f), kernels))
@@ -756,13 +771,16 @@ def main():
         read["--loopback"] = args.loopback
     for option, path in read.items():
         if path and not os.path.isfile(path):
-            parser.error(f"{option} {path} does not exist (pass the measurement JSON)")
+            parser.error(f"{option} {path} is not a file (pass the measurement JSON)")
     if args.validate:
         try:
             netem = _load_json(args.validate)
             held_out = _load_json(args.latencies_from) if args.latencies_from else None
             latencies, kernels = emulated_setup(netem, args.kernels, args.loopback, held_out)
             rows = validate(netem, args.kernels, args.loopback, args.min_bytes, held_out)
+        except ZeroDivisionError as error:
+            parser.error(f"a file holds 0 where a measurement the model divides by belongs (a link rate or a "
+                         f"time): {error}")
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             parser.error(f"{type(error).__name__}: {error}")
         except (KeyError, TypeError, AttributeError) as error:  # a JSON of another kind

@@ -434,6 +434,28 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_measurements_of_zero_or_less_are_refused_by_name(tmp_path):
+    # before, a ZeroDivisionError traceback, or negative times printed as a projection
+    with open(KERNELS_JSON) as f:
+        kernels = json.load(f)
+    with open(NETEM_JSON) as f:
+        netem = json.load(f)
+    cases = [("kernels.json", dict(kernels, meta=dict(kernels["meta"], copy_gbps=0)), "--gpu-kernels",
+              "meta.copy_gbps must be a positive number, got 0"),
+             ("kernels.json", dict(kernels, rows=[dict(r, time_ms=-1.0) for r in kernels["rows"]]), "--kernels",
+              "must be a positive number, got -1.0"),
+             ("netem.json", dict(netem, meta=dict(netem["meta"], ranks=1)), "--validate",
+              "meta.ranks must be a number of hosts of at least 2, got 1"),
+             ("netem.json", dict(netem, rows=[dict(r, rate_gbit=0) for r in netem["rows"]]), "--validate",
+              "a file holds 0 where a measurement the model divides by belongs")]
+    for name, content, option, says in cases:
+        (tmp_path / name).write_text(json.dumps(content))
+        extra = ["--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON] if option == "--validate" else []
+        out = subprocess.run([sys.executable, "-m", "gradsync.model", option, name, *extra],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (option, out.stderr)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
@@ -442,8 +464,9 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     (["--nccl-hop", KERNELS_JSON], "--nccl-hop is read only with --gpu-kernels"),  # was silently ignored
     (["--min-bytes", "4096"], "--min-bytes is read only with --validate"),
     (["--latencies-from", KERNELS_JSON], "--latencies-from is read only with --validate"),
-    (["--kernels", "missing.json"], "--kernels missing.json does not exist"),
-    (["--validate", "missing.json"], "--validate missing.json does not exist"),
+    (["--kernels", "missing.json"], "--kernels missing.json is not a file"),
+    (["--validate", "missing.json"], "--validate missing.json is not a file"),
+    (["--validate", "."], "--validate . is not a file"),
     # the measurement files named: an installed wheel has no benchmarks/results to default to
     (["--validate", "not_json.json", "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON], "JSONDecodeError"),
     (["--validate", KERNELS_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
