@@ -58,8 +58,9 @@ class GradSyncState:
     error feedback from zeros (as DeepSpeed's 1-bit Adam does on loading) and checks its buckets
     again. A process group cannot be saved: a state made for the default group (None or
     ``dist.group.WORLD``) loads with None; one made for another group raises when its hook runs
-    until ``state.process_group`` is set again. Set to another group, a state checks its buckets
-    again there.
+    until ``state.process_group`` is set again. On another group (``process_group`` set to another,
+    or the default group made again after ``destroy_process_group``), a state checks its buckets
+    again.
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, codec: str = "fp16",
@@ -73,8 +74,9 @@ class GradSyncState:
         self.prescale = None if prescale is None else _check_scale(prescale, "prescale")
         self.postscale = None if postscale is None else _check_scale(postscale, "postscale")
         self._residuals = {}  # parameter ids of a bucket -> (fp32 residual, [(param id, offset, numel)])
-        # per model: the buckets every rank agreed on, keyed by the id of a parameter and dropped with it
-        self._checked = {}
+        # per model: the buckets every rank agreed on, keyed by the id of a parameter and dropped with it,
+        # on the group _checked_on refers to (weakly)
+        self._checked, self._checked_on = {}, None
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -85,8 +87,6 @@ class GradSyncState:
         _check_member(group, "process_group")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-        if getattr(self, "_process_group", group) is not group:  # agreed on another group: check again
-            self._checked = {}
         self._process_group = group
         self._group_not_loaded = False
 
@@ -94,12 +94,13 @@ class GradSyncState:
         state = self.__dict__.copy()
         group = state.pop("_process_group")
         state["_group_not_loaded"] = self._group_not_loaded or not (group is None or group is dist.group.WORLD)
-        state["_residuals"], state["_checked"] = {}, {}
+        state["_residuals"], state["_checked"], state["_checked_on"] = {}, {}, None
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._process_group = None
+        self._checked_on = None  # absent from states saved before it
 
     def __deepcopy__(self, memo):
         """A copy in this process (``copy.deepcopy`` of a DDP model, ``AveragedModel``, which copy its
@@ -109,7 +110,7 @@ class GradSyncState:
         copy = object.__new__(type(self))
         memo[id(self)] = copy
         copy.__dict__.update(self.__dict__)
-        copy._residuals, copy._checked = {}, {}
+        copy._residuals, copy._checked, copy._checked_on = {}, {}, None
         return copy
 
     def __copy__(self):
@@ -121,7 +122,16 @@ class GradSyncState:
         DDP's buckets change. Later steps skip the check, which costs a hop of latency per bucket
         (n-1 beyond 8 ranks and always over NCCL)."""
         params = bucket.parameters()
-        return not params or self._check_key(bucket, codec) not in self._checked.get(id(params[0]), ())
+        return not params or self._check_key(bucket, codec) not in self._agreed().get(id(params[0]), ())
+
+    def _agreed(self):
+        """The record of agreed buckets on the group the state now resolves to: buckets agreed on
+        another group (the state set to another, or the default group made again after
+        ``destroy_process_group``, where a restarted peer has a fresh state) are checked again."""
+        group = _resolve_group(self.process_group) if dist.is_initialized() else None
+        if (self._checked_on() if self._checked_on is not None else None) is not group:
+            self._checked, self._checked_on = {}, None if group is None else weakref.ref(group)
+        return self._checked
 
     def _check_key(self, bucket, codec):
         buffer = bucket.buffer()
@@ -245,16 +255,16 @@ def _resolve_state(state):
                     f"got {type(state).__name__}")
 
 
-def _check_bucket(bucket, hook):
+def _check_bucket(bucket):
     if not isinstance(bucket, dist.GradBucket):
-        raise TypeError(f"gradsync.hooks.{hook} takes DDP's GradBucket, got {type(bucket).__name__}: torch.compile "
+        raise TypeError(f"gradsync's DDP hooks take DDP's GradBucket, got {type(bucket).__name__}: torch.compile "
                         "with torch._dynamo.config.optimize_ddp='python_reducer' hands hooks one (grad, param) "
                         "tuple at a time, which gradsync's hooks do not take; keep optimize_ddp's default")
 
 
 def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torch.futures.Future[torch.Tensor]:
-    _check_bucket(bucket, "the hook")
     group, options = _resolve_state(state)
+    _check_bucket(bucket)
     codec = codec or options.codec
     buffer = bucket.buffer()
     check = options.needs_check(bucket, codec)
@@ -492,7 +502,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """
     if not isinstance(state, HierarchicalState):
         raise TypeError(f"hierarchical_hook takes a gradsync.hooks.HierarchicalState, got {type(state).__name__}")
-    _check_bucket(bucket, "hierarchical_hook")
+    _check_bucket(bucket)
     buffer = bucket.buffer()
     check = state.needs_check(bucket, state.codec)
     try:

@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import pickle
+import tempfile
 import time
 import warnings
 import weakref
@@ -175,16 +176,55 @@ def checkpointed_states(rank, size):
         ef_steps(rank, sub, make_net(), 1)
     sub.process_group = group
     trained = ef_steps(rank, sub, make_net(), 1)
-    # a bucket agreed on one group is checked again on another (the record goes with the model)
-    assert sub._checked and trained
-    sub.process_group = group
-    assert sub._checked
-    sub.process_group = None
-    assert sub._checked == {}
+    # a bucket agreed on one group is checked again on another: set to another, or, as here, the
+    # default group (the same holds for the default group made again after destroy_process_group)
+    checks, issue = [], hooks.all_reduce
+
+    def recording(*args, **kwargs):
+        checks.append(kwargs["check_call"])
+        return issue(*args, **kwargs)
+    hooks.all_reduce = recording
+    try:
+        for again in (group, None, None):
+            sub.process_group = again
+            ef_steps(rank, sub, trained, 1)
+            checks.append("step")
+    finally:
+        hooks.all_reduce = issue
+    steps = "".join("s" if c == "step" else "c" if c else "-" for c in checks).split("s")[:3]
+    assert steps[0] and set(steps[0]) == {"-"} and set(steps[1]) == {"c"} and set(steps[2]) == {"-"}, steps
     assert saved_and_loaded(hooks.GradSyncState(dist.group.WORLD))._group_not_loaded is False
     with pytest.raises(TypeError, match="holds process groups, which cannot be saved"):
         pickle.dumps(hooks.HierarchicalState(local_size=size))
     return resumed["loaded"]
+
+
+def default_group_made_again(rank, size):
+    """A state of the default group (None) checks its buckets again once that group is made anew:
+    a restarted peer's fresh state checks them, so the others' must too, or they pair its check with
+    their sum."""
+    state, checks, issue = hooks.GradSyncState(codec="fp16"), [], hooks.all_reduce
+
+    def recording(*args, **kwargs):
+        checks.append(kwargs["check_call"])
+        return issue(*args, **kwargs)
+    hooks.all_reduce = recording
+    try:
+        model = ef_steps(rank, state, make_net(), 3)  # checked, checked after DDP's rebuild, then not
+        checks.append("made again")
+        dist.destroy_process_group()
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        ef_steps(rank, state, model, 1)
+    finally:
+        hooks.all_reduce = issue
+    return checks
+
+
+def test_a_state_checks_its_buckets_again_on_a_default_group_made_anew(worlds):
+    (checks,) = worlds(1).run(default_group_made_again)
+    before, after = checks[:checks.index("made again")], checks[checks.index("made again") + 1:]
+    assert True in before and before[-1] is False and after and all(after), checks
 
 
 def test_hook_states_save_their_settings_with_a_checkpoint(worlds):
@@ -392,9 +432,9 @@ def test_a_hook_that_fails_on_one_rank_fails_on_every_rank_at_once(worlds):
 def test_hooks_refuse_what_is_not_a_bucket():
     # torch.compile's optimize_ddp="python_reducer" calls a hook with one (grad, param) tuple
     grad, param = torch.randn(3), torch.nn.Parameter(torch.randn(3))
-    for hook, state in ((hooks.fp16_compress_hook, None), (hooks.allreduce_hook, hooks.GradSyncState()),
+    for hook, state in ((hooks.fp16_compress_hook, hooks.GradSyncState()), (hooks.allreduce_hook, hooks.GradSyncState()),
                         (hooks.hierarchical_hook, object.__new__(hooks.HierarchicalState))):
-        with pytest.raises(TypeError, match="takes DDP's GradBucket, got tuple: torch.compile with "
+        with pytest.raises(TypeError, match="hooks take DDP's GradBucket, got tuple: torch.compile with "
                                             "torch._dynamo.config.optimize_ddp='python_reducer'"):
             hook(state, (grad, param))
 
