@@ -397,8 +397,9 @@ void for_each_written(const c10::OperatorHandle& op, const torch::jit::Stack& st
 void refuse_tracked_writes(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (at::GradMode::is_enabled()) {
     for_each_written(op, *stack, [&](const std::string& name, const at::Tensor& t) {
-      TORCH_CHECK(!t.defined() || !t.requires_grad(), op.schema().name(), ": ", name, " requires grad, and gradsync's "
-                  "kernels are not differentiable: write into it under torch.no_grad() (or pass its .detach())");
+      TORCH_CHECK_VALUE(!t.defined() || !t.requires_grad(), op.schema().name(), ": ", name, " requires grad, and "
+                        "gradsync's kernels are not differentiable: write into it under torch.no_grad() (or pass its "
+                        ".detach())");
     });
   }
   at::AutoDispatchBelowAutograd below;

@@ -83,7 +83,8 @@ class _Bucket:
         return grad is not None and grad.data_ptr() == self.view_at[j] and grad.stride() == self.view(j).stride()
 
     def adopt(self, j):
-        """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer."""
+        """Moves parameter j's gradient (one autograd made, or None: zeros) into its view of the buffer
+        (one made with create_graph=True is copied there and kept, with its graph)."""
         if self.holds(j):  # every step but the first and those after zero_grad(set_to_none=True)
             return
         with torch.no_grad():  # a backward with create_graph=True must not attach the buffer to its graph
@@ -375,7 +376,8 @@ class DataParallel(torch.nn.Module, Joinable):
 
     - At construction every rank must wrap the same model (parameters' and buffers' shapes and
       dtypes, which parameters train) with the same settings (``codec``, ``bucket_cap_mb``,
-      ``broadcast_buffers``, ``gradient_as_bucket_view``); a ValueError names what differs, as
+      ``error_feedback``, ``broadcast_buffers``, ``find_unused_parameters``,
+      ``gradient_as_bucket_view``); a ValueError names what differs, as
       DDP's check of shapes does. Then parameters and buffers are broadcast from the group's rank
       0, so every replica starts equal; with ``broadcast_buffers`` (default) buffers are broadcast
       again before every training-mode forward but those that follow a forward made inside

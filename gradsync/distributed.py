@@ -89,7 +89,8 @@ class AllReduceWork:
         return self._work.is_completed()
 
     def get_future(self) -> torch.futures.Future:  # a torch._C.Future, like Work.get_future()
-        """A ``torch.futures.Future`` completed with the reduced tensor (or the all-reduce's error).
+        """A ``torch.futures.Future`` completed with the reduced tensor (or the all-reduce's error):
+        the tensor itself, not the one-element list a ``Work``'s future holds.
 
         Its callbacks run on gradsync's communication thread: keep them short, and never wait in one
         for another gradsync call (a synchronous one on a group gradsync has run calls on raises
@@ -125,12 +126,12 @@ def _check_flag(value, name):
 
 
 def _check_scale(value, name):
-    """The float of a finite number that stays non-zero as a float (an int beyond float's range, or a
-    Fraction below it, is refused like inf and 0)."""
+    """The float of a finite number (or one-element real tensor) that stays non-zero as a float (an
+    int beyond float's range, or a Fraction below it, is refused like inf and 0)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a number or a one-element real tensor, got a {value.dtype} tensor of "
-                             f"{value.numel()} elements")
+                             f"shape {tuple(value.shape)}")
         value = value.item()
     narrowed = 0.0
     if not isinstance(value, bool) and isinstance(value, numbers.Real):

@@ -46,7 +46,8 @@ class ReduceScatter(_ReduceScatterComm):
     (the factor applied to each rank's part before it is encoded, as gradsync's average applies
     1/n). The factor may change from step to step (a token count, say): error feedback's residual
     carries over, paid back in the gradients' units, and the factor is checked across the ranks
-    with a layout's first call only (give every rank the same one).
+    with a layout's first call only, or every call once the module has had two layouts (give
+    every rank the same one).
 
     Each call's layout is checked across the ranks the first time it is seen (as gradsync's DDP
     hooks check each bucket once), and every call once there have been several layouts (a layout
@@ -93,7 +94,7 @@ class ReduceScatter(_ReduceScatterComm):
         _check_reduce_dtype(input_tensor.dtype, "ReduceScatter")
         layout = _layout(self._param_groups)
         # not the factor: one that changes every step (a token count) would make a layout, and a
-        # residual, per step. The residual is paid back in the results' units, whatever the factor.
+        # residual, per step. The residual is paid back in the gradients' units, whatever the factor.
         key = (input_tensor.numel(), input_tensor.dtype, input_tensor.device, layout)
         residual = None
         if self.error_feedback:

@@ -11,9 +11,10 @@ once, so the bucket travels while autograd computes the gradients of earlier lay
 encodes the bucket slice by slice as it sends (the fused scale-and-encode kernel), accumulates in
 fp32 at every hop, and decodes the average back into the bucket; every rank ends with the same bits.
 
-Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at every hop, a rank's own
-gradients are never rounded to the wire format before they are added: each hop adds them in fp32
-to the partial sum it received, and only that sum goes on the wire in the codec. Inf and NaN survive every codec, so
+Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at every hop, on the ring
+a rank's own gradients are never rounded to the wire format before they are added: each hop adds
+them in fp32 to the partial sum it received, and only that sum goes on the wire in the codec (the
+direct exchange of small CPU buckets rounds each contribution once, then sums them in fp32). Inf and NaN survive every codec, so
 ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
 import os

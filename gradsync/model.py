@@ -478,7 +478,7 @@ def validate(netem, kernels_path, loopback_path, min_bytes=0, latencies_from=Non
         groups.setdefault((r["rate"], r["bytes"]), []).append(r)
     out = []
     for (rate, nbytes), rows in groups.items():
-        bps = rows[0]["rate_gbit"] * 1e9
+        bps = _check_positive(rows[0]["rate_gbit"], "the netem report's rate_gbit") * 1e9
         numel, bucket = nbytes // 4, tbf_burst_bytes(bps) * 8 / bps
         calls = []
         for r in rows:

@@ -88,7 +88,7 @@ def _check_memory(t, name, reader):
 
 def _within_storage(t):
     """Whether every element of ``t`` lies inside its storage, which may have been shrunk (or freed,
-    as FSDP frees unsharded parameters) after ``t`` was made a view of it."""
+    as FSDP frees unsharded parameters) since ``t`` was made."""
     if not t.numel():
         return True
     last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))

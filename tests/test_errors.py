@@ -136,7 +136,8 @@ def test_the_operators_guard_the_kernels_too():
     # which the buffer passed, and the kernel wrote past it)
     huge = torch.zeros(1).expand(2**62)
     for tail in ([], [torch.ones(8)]):
-        with pytest.raises(RuntimeError, match="flat buffer holds 8 elements, fewer than the tensors up to tensors\\[1\\]"):
+        with pytest.raises(RuntimeError,
+                           match="flat buffer holds 8 elements, fewer than the tensors up to tensors\\[1\\]"):
             kernels.flatten_into([torch.ones(8), huge, huge, huge, huge, *tail], torch.empty(8), 1.0)
         assert _C.plain_numel([huge] * 4 + tail, None, False) == -1
         for out in (None, torch.empty(8)):

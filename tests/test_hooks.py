@@ -432,7 +432,8 @@ def test_a_hook_that_fails_on_one_rank_fails_on_every_rank_at_once(worlds):
 def test_hooks_refuse_what_is_not_a_bucket():
     # torch.compile's optimize_ddp="python_reducer" calls a hook with one (grad, param) tuple
     grad, param = torch.randn(3), torch.nn.Parameter(torch.randn(3))
-    for hook, state in ((hooks.fp16_compress_hook, hooks.GradSyncState()), (hooks.allreduce_hook, hooks.GradSyncState()),
+    for hook, state in ((hooks.fp16_compress_hook, hooks.GradSyncState()),
+                        (hooks.allreduce_hook, hooks.GradSyncState()),
                         (hooks.hierarchical_hook, object.__new__(hooks.HierarchicalState))):
         with pytest.raises(TypeError, match="hooks take DDP's GradBucket, got tuple: torch.compile with "
                                             "torch._dynamo.config.optimize_ddp='python_reducer'"):

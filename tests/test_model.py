@@ -446,7 +446,9 @@ def test_measurements_of_zero_or_less_are_refused_by_name(tmp_path):
               "must be a positive number, got -1.0"),
              ("netem.json", dict(netem, meta=dict(netem["meta"], ranks=1)), "--validate",
               "meta.ranks must be a number of hosts of at least 2, got 1"),
-             ("netem.json", dict(netem, rows=[dict(r, rate_gbit=0) for r in netem["rows"]]), "--validate",
+             ("netem.json", dict(netem, rows=[dict(r, rate_gbit=-1) for r in netem["rows"]]), "--validate",
+              "rate_gbit must be a positive number, got -1"),
+             ("netem.json", dict(netem, rows=[dict(r, time_ms=0) for r in netem["rows"]]), "--validate",
               "a file holds 0 where a measurement the model divides by belongs")]
     for name, content, option, says in cases:
         (tmp_path / name).write_text(json.dumps(content))
