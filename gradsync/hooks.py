@@ -14,8 +14,8 @@ fp32 at every hop, and decodes the average back into the bucket; every rank ends
 Unlike torch's fp16/bf16 hooks, which divide in 16 bit and sum in 16 bit at every hop, on the ring
 a rank's own gradients are never rounded to the wire format before they are added: each hop adds
 them in fp32 to the partial sum it received, and only that sum goes on the wire in the codec (the
-direct exchange of small CPU buckets rounds each contribution once, then sums them in fp32). Inf and NaN survive every codec, so
-``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
+direct exchange of small CPU buckets rounds each contribution once, then sums them in fp32). Inf
+and NaN survive every codec, so ``torch.amp.GradScaler`` sees an overflow on any rank and skips the step everywhere.
 """
 import os
 import threading
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
-                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _resolve_group, _timeout_of,
-                          all_reduce, resolve_scales)
+                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _refused_on_error,
+                          _resolve_group, _timeout_of, all_reduce, resolve_scales)
 from .ops import _check_codec, _eager_under_compile
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
@@ -269,13 +269,10 @@ def _reduce_bucket(state, bucket: dist.GradBucket, codec: Optional[str]) -> torc
     codec = codec or options.codec
     buffer = bucket.buffer()
     check = options.needs_check(bucket, codec)
-    try:
+    with _refused_on_error(group, buffer, check, _ALL_REDUCE):  # this rank's turn all the same: its peers raise too
         _check_dense(buffer)
         reduced = _reducible(buffer, codec)
         residual = options.residual(bucket) if _check_flag(options.error_feedback, "state.error_feedback") else None
-    except Exception as error:  # this rank's turn in the call all the same, so that its peers raise too
-        _refuse(group, buffer, check, _ALL_REDUCE, error)
-        raise
     work = all_reduce(reduced, codec=codec, group=group, prescale=options.prescale, postscale=options.postscale,
                       async_op=True, residual=residual, check_call=check)
     # DDP reads a hook's result as a Python object: a Python callback stores it as one
@@ -361,7 +358,8 @@ class HierarchicalState(GradSyncState):
     rank of a cross group must hold the same place in a node of the same size, and every rank of a
     node see as many nodes. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to the
     all-reduce across nodes; the residual then has the shard's size, 1/``local_size`` of the
-    bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
+    bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step).
+    Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
     TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
     ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups.
     """
