@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <c10/core/StreamGuard.h>
@@ -197,11 +198,25 @@ void check_residual(const at::Tensor& input, const RingOptions& options) {
 }
 }  // namespace
 
+namespace {
+// The ring writes through raw pointers, behind autograd: bump what it writes, as torch's in-place
+// collectives do at the call, so that a tensor saved for backward and then overwritten raises there.
+// Inference tensors keep no version (all_reduce() refuses them outside inference mode, where
+// bumping one would throw, after the call was queued).
+void bump_versions(std::initializer_list<const at::Tensor*> written) {
+  for (const at::Tensor* t : written) {
+    if (t->defined() && !t->is_inference()) torch::autograd::impl::bump_version(*t);
+  }
+}
+}  // namespace
+
 std::shared_ptr<RingWork> RingEngine::all_reduce(at::Tensor tensor, const RingOptions& options) {
   TORCH_CHECK(tensor.is_contiguous(), "gradsync.all_reduce: the tensor must be contiguous");
   dtype_of(tensor);
   check_residual(tensor, options);
-  return submit(Job{tensor, at::Tensor(), options, std::make_shared<RingWork>(tensor, this)});
+  auto work = submit(Job{tensor, at::Tensor(), options, std::make_shared<RingWork>(tensor, this)});
+  bump_versions({&tensor, &options.residual});
+  return work;
 }
 
 std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tensor input, const RingOptions& options) {
@@ -214,7 +229,9 @@ std::shared_ptr<RingWork> RingEngine::reduce_scatter(at::Tensor output, at::Tens
   check_residual(input, options);
   Job job{input, output, options, std::make_shared<RingWork>(output, this)};
   job.op = kReduceScatter;
-  return submit(std::move(job));
+  auto work = submit(std::move(job));
+  bump_versions({&output, &options.residual});
+  return work;
 }
 
 std::shared_ptr<RingWork> RingEngine::all_gather(at::Tensor output, at::Tensor input, const RingOptions& options) {
@@ -228,13 +245,19 @@ std::shared_ptr<RingWork> RingEngine::all_gather(at::Tensor output, at::Tensor i
   Job job{output, at::Tensor(), options, std::make_shared<RingWork>(output, this)};
   job.op = kAllGather;
   job.gather_input = input;
-  return submit(std::move(job));
+  auto work = submit(std::move(job));
+  bump_versions({&output});
+  return work;
 }
 
 void RingEngine::place_gather_input(const Job& job) const {
   const at::Tensor& input = job.gather_input;  // both contiguous, of any shapes: their elements count
   at::Tensor own = job.tensor.view(-1).narrow(0, rank() * input.numel(), input.numel());
-  if (input.numel() > 0 && own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
+  if (input.numel() == 0 || own.data_ptr() == input.data_ptr()) return;
+  // below autograd: this thread has none of the caller's no_grad or inference mode, and the copy is
+  // the collective's raw write, which all_gather() has already accounted for
+  at::AutoDispatchBelowADInplaceOrView below;
+  own.copy_(input.view(-1));
 }
 
 std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, RingOp op, const RingOptions& options,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _check_memory, _eager_under_compile
+from .ops import FLOAT_DTYPES, _CODEC_IDS, _check_codec, _check_memory, _check_writable, _eager_under_compile
 
 OPS = ("avg", "sum")
 SLICE_BYTES = 1 << 20
@@ -231,6 +231,7 @@ def _check_residual(residual, tensor, *others):
     if not residual.is_contiguous():
         raise ValueError("residual must be a contiguous float32 tensor, got a non-contiguous one")
     _check_memory(residual, "residual", "the ring")
+    _check_writable(residual, "residual")
     if residual.numel() != tensor.numel() or residual.device != tensor.device:
         raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
                          f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")
@@ -417,6 +418,7 @@ def _all_reduce(tensor, op, codec, group, prescale, postscale, async_op, check_c
     whose tensors hold different things of the same size raise on every rank, with the check."""
     with _refused_on_error(group, tensor, check_call, _ALL_REDUCE):
         _check_tensor(tensor, "tensor", "all_reduce")
+        _check_writable(tensor, "tensor")
         _check_codec(codec)
         async_op, check_call = _check_flag(async_op, "async_op"), _check_flag(check_call, "check_call")
         if residual is not None:
@@ -559,6 +561,7 @@ def _check_chunked_call(output, input, codec, group, async_op, check_call, calle
     memory of its own or this rank's chunk of the whole. Returns (group, async_op, check_call)."""
     _check_tensor(output, "output", caller)
     _check_tensor(input, "input", caller)
+    _check_writable(output, "output")
     if output.dtype != input.dtype or output.device != input.device:
         raise ValueError(f"output ({output.dtype} on {output.device}) and input ({input.dtype} on "
                          f"{input.device}) must have one dtype and device")

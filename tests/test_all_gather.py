@@ -158,6 +158,84 @@ def test_bad_input_raises_naming_the_argument(worlds):
     assert all(worlds(2).run(bad_calls))
 
 
+def autograd_cases(rank, size):
+    """The collectives' writes as torch's in-place collectives make them: into a Parameter under
+    no_grad, into an inference tensor in inference mode, from an input that requires grad without
+    putting the output in a graph, each write bumping the written tensor's version; a write autograd
+    would track is refused on one rank, its peer raising too, naming it, and the ring stays in step."""
+    seen = {}
+    weight = torch.nn.Parameter(torch.zeros(3 * size))
+    shard = torch.full((3,), rank + 1.0)
+    with torch.no_grad():
+        gradsync.all_gather(weight, shard)
+    seen["parameter"] = (weight.tolist(), weight.requires_grad)
+    with torch.inference_mode():
+        frozen = torch.empty(3 * size)
+        gradsync.all_gather(frozen, shard)
+    seen["inference"] = frozen.tolist()
+    tracked, out = torch.nn.Parameter(shard.clone()), torch.zeros(3 * size)
+    with torch.no_grad():
+        gradsync.all_gather(out, tracked)
+    out_grad_enabled = torch.zeros(3 * size)
+    gradsync.all_gather(out_grad_enabled, tracked)
+    seen["tracked input"] = (out.requires_grad, out.grad_fn, out_grad_enabled.requires_grad, out.tolist())
+    # a tensor saved for backward, then overwritten by each collective: backward raises, as after torch's
+    w = torch.ones(3 * size, requires_grad=True)
+    versions = []
+    for write in (lambda t: gradsync.all_gather(t, t[3 * rank:3 * rank + 3]),
+                  lambda t: gradsync.all_gather(t, shard),
+                  lambda t: gradsync.all_reduce(t, codec="fp16"),
+                  lambda t: gradsync.all_reduce(t, residual=residual),
+                  lambda t: gradsync.reduce_scatter(t[:3], torch.ones(3 * size))):
+        saved, residual = torch.rand(3 * size), torch.zeros(3 * size)
+        y, before = (w * saved).sum(), (saved._version, residual._version)
+        write(saved)
+        versions.append((saved._version > before[0], residual._version - before[1]))
+        try:
+            y.backward()
+            versions.append("backward used the overwritten tensor")
+        except RuntimeError as e:
+            versions.append("modified by an inplace operation" in str(e))
+    seen["versions"] = versions
+    refusals = []
+    for kind in ("requires grad", "inference"):
+        out = torch.empty(3 * size)
+        try:
+            if rank == 0 and kind == "requires grad":
+                gradsync.all_gather(out.requires_grad_(), shard)
+            elif rank == 0:
+                with torch.inference_mode():
+                    frozen = torch.empty(3 * size)
+                gradsync.all_gather(frozen, shard)
+            else:
+                gradsync.all_gather(out, shard)
+            refusals.append("no error")
+        except ValueError as e:
+            refusals.append(str(e))
+    in_step = torch.empty(3 * size)
+    gradsync.all_gather(in_step, shard)
+    seen["refusals"], seen["in step"] = refusals, in_step.tolist()
+    return seen
+
+
+def test_the_collectives_write_as_torchs_in_place_collectives_do(worlds):
+    results = worlds(2).run(autograd_cases)
+    gathered = [1.0] * 3 + [2.0] * 3
+    for rank, seen in enumerate(results):
+        assert seen["parameter"] == (gathered, True) and seen["inference"] == gathered, seen
+        assert seen["tracked input"] == (False, None, False, gathered), seen
+        bumped = [(True, 0), True] * 3 + [(True, 1), True, (True, 0), True]
+        assert seen["versions"] == bumped, seen["versions"]
+        assert seen["in step"] == gathered, seen
+        if rank == 0:
+            assert seen["refusals"] == [
+                "output requires grad, and gradsync's kernels are not differentiable: write into it under "
+                "torch.no_grad() (or pass its .detach())",
+                "output is an inference tensor, which can be written only inside torch.inference_mode()"], seen
+        else:
+            assert all("rank(s) 0 could not prepare the call" in r for r in seen["refusals"]), seen["refusals"]
+
+
 def waited_in_another_groups_callback(rank, size):
     """A synchronous call in a callback on another group's thread is refused where the group has an
     engine (calls of two groups may wait for each other, as hierarchical_average's do); the peer
