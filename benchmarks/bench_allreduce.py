@@ -28,9 +28,12 @@ import gradsync  # noqa: E402
 from gradsync import hooks  # noqa: E402
 from gradsync import model  # noqa: E402
 
-COLUMNS = [("size", "bytes", 10, common.format_bytes), ("count", "count", 11, common.fixed(0)), ("impl", "impl", 26, str),
-           ("time(ms)", "time_ms", 11, common.fixed(3)), ("algbw", "algbw", 9, common.fixed(3)),
-           ("busbw", "busbw", 9, common.fixed(3)), ("wire", "wire_bytes", 10, common.format_bytes),
+# nccl-tests' columns and units (size in bytes, count in elements, time in us, bandwidths in GB/s),
+# then gradsync's: the implementation, the bytes each rank's buffer takes on the wire, the speedup
+COLUMNS = [("size(B)", "bytes", 12, common.fixed(0)), ("count", "count", 11, common.fixed(0)), ("type", "type", 7, str),
+           ("redop", "redop", 7, str), ("impl", "impl", 26, str),
+           ("time(us)", "time_ms", 12, lambda ms: f"{ms * 1e3:.1f}"), ("algbw(GB/s)", "algbw", 13, common.fixed(3)),
+           ("busbw(GB/s)", "busbw", 13, common.fixed(3)), ("wire", "wire_bytes", 11, common.format_bytes),
            ("vs fp32", "speedup", 9, common.ratio), ("error", "error", 10, common.sci)]
 
 
@@ -228,7 +231,8 @@ def bench(args, device, size_done):
             ms, p50, p90, slow = slowest_stats_ms(samples[name], device, None)
             base_ms = ms if name == "torch fp32" else base_ms
             algbw = size / ms / 1e6
-            rows.append({"bytes": size, "count": numel, "impl": name, "time_ms": ms, "algbw": algbw,
+            rows.append({"bytes": size, "count": numel, "type": "float", "redop": "avg", "impl": name, "time_ms": ms,
+                         "algbw": algbw,
                          "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": gradsync.payload_nbytes(wire_codec, numel),
                          "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": errors[name],
                          "p50_ms": p50, "p90_ms": p90, "slow_calls": slow})

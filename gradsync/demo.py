@@ -199,7 +199,8 @@ def plot_path_problem(path):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m gradsync.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gradsync.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="local processes to start (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")

@@ -26,7 +26,8 @@ and so is the host's cost of issuing each hop of the GPU ring (``GPU_HOP_HOST``)
 cannot outrun: NCCL's own all-reduce is one kernel, gradsync's ring 2(n-1)m host-issued hops.
 Link latencies of the real topologies are assumed typical values, not measurements.
 
-Pure Python: importing it does not import torch.
+Pure Python: the model's file imports nothing but the standard library (``python -m gradsync.model``
+loads the gradsync package, and so torch, first).
 """
 import argparse
 import json
@@ -127,8 +128,9 @@ def _check_positive(value, what):
     return value
 
 
-def cpu_kernels(path):
-    """Single-thread kernel costs from a bench_kernels.py JSON: the largest single-buffer case.
+def cpu_kernels(path, device="cpu"):
+    """Single-thread kernel costs from a bench_kernels.py JSON of ``device`` ("cpu" or "cuda"): the
+    largest single-buffer case.
 
     bf16 and fp8_e5m2 were not timed and take the costs of fp16 and fp8_e4m3 (the same loops). The
     fused reduce_encode is not timed either: it is taken as a decode plus an encode. "none" and the
@@ -136,6 +138,9 @@ def cpu_kernels(path):
     """
     with open(path) as f:
         run = json.load(f)
+    measured_on = str(run["meta"]["device"])
+    if measured_on.split(":")[0] != device:
+        raise ValueError(f"{path} was measured on {measured_on}; this reads the kernel costs of a {device} run")
     single = [r for r in run["rows"] if r["tensors"] == 1]
     if not single:
         raise ValueError(f"{path} has no single-buffer case (bench_kernels.py without --sets-only writes them)")
@@ -164,7 +169,7 @@ def gpu_kernels(kernels_path, hop_path=None):
     (the GPU suite's bench_kernels_cuda.json, read as `cpu_kernels` reads a host one) and the host's
     cost of issuing one ring hop, the median "issue" time of bench_nccl_hop.py's non-blocking
     communicator (GPU_HOP_HOST, assumed, without it)."""
-    measured = cpu_kernels(kernels_path)
+    measured = cpu_kernels(kernels_path, device="cuda")
     # the CUDA ring receives the all-gather in its workspace and copies it out, also with codec
     # "none": a copy, as its encode is
     measured = replace(measured, decode=dict(measured.decode, none=measured.encode["none"]))

@@ -106,8 +106,12 @@ def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
                 "gradsync fp8_e5m2": (1 + 4 / 128, 0.1), "gradsync fp16 ring": (2, 1e-3),
                 "gradsync fp16 unchecked": (2, 1e-3)}  # the last two: small buffers, beside the direct exchange
     assert set(codecs) <= set(expected)
+    # nccl-tests' units in the printed table: bytes, elements, us, GB/s
+    assert "size(B)      count  type   redop" in table and "time(us)  algbw(GB/s)  busbw(GB/s)" in table, table
+    lines = table.splitlines()
     for (size, impl), r in rows.items():
-        assert impl in table
+        assert any(line.startswith(f"{size:>12}{size // 4:>11}  float  avg    {impl} ") and
+                   f" {r['time_ms'] * 1e3:.1f} " in line for line in lines), (size, impl, table)
         assert r["count"] == size // 4 and r["time_ms"] > 0
         assert abs(r["algbw"] - size / (r["time_ms"] * 1e6)) <= 1e-9 * r["algbw"], r
         assert abs(r["busbw"] - r["algbw"] * 4 / 3) <= 1e-9 * r["busbw"], r  # 2(n-1)/n

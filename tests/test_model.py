@@ -396,21 +396,33 @@ def test_predictions_with_latencies_from_another_run(netem_json, latencies_json,
 
 
 def test_projections_take_measured_gpu_costs(tmp_path):
-    # the GPU suite's JSON has the host benchmark's layout; a host one stands in for it here
+    # the GPU suite's JSON has the host benchmark's layout; a host one, relabelled, stands in for it here
+    with open(KERNELS_JSON) as f:
+        run = json.load(f)
+    cuda_json = tmp_path / "bench_kernels_cuda.json"
+    cuda_json.write_text(json.dumps(dict(run, meta=dict(run["meta"], device="cuda:0"))))
     hop = tmp_path / "bench_nccl_hop.json"
     hop.write_text(json.dumps({"meta": {}, "rows": [
         {"bytes": 4096, "communicator": "non-blocking", "issue_us": 20.0},
         {"bytes": 262144, "communicator": "non-blocking", "issue_us": 24.0},
         {"bytes": 4194304, "communicator": "non-blocking", "issue_us": 30.0},
         {"bytes": 4096, "communicator": "blocking", "issue_us": 5.0}]}))
-    kernels = model.gpu_kernels(KERNELS_JSON, str(hop))
+    kernels = model.gpu_kernels(str(cuda_json), str(hop))
     assert kernels.hop == pytest.approx(24e-6) and kernels.slice_bytes == model.NCCL_SLICE_BYTES
     with open(KERNELS_JSON) as f:
         copy = json.load(f)["meta"]["copy_gbps"] * 1e9
     assert kernels.direct_bytes == 0 and kernels.decode["none"] == pytest.approx(8 / copy)  # copied out of the workspace
     text = model.projection_tables(kernels)
     assert "24 us of host per hop (measured)" in text and "(ASSUMED) issuing" not in text and "GPU, measured" in text
-    assert model.gpu_kernels(KERNELS_JSON).hop == model.GPU_HOP_HOST
+    assert model.gpu_kernels(str(cuda_json)).hop == model.GPU_HOP_HOST
+    # a host run is not GPU costs, nor a GPU run host ones
+    with pytest.raises(ValueError, match="was measured on cpu; this reads the kernel costs of a cuda run"):
+        model.gpu_kernels(KERNELS_JSON)
+    with pytest.raises(ValueError, match="was measured on cuda:0; this reads the kernel costs of a cpu run"):
+        model.cpu_kernels(str(cuda_json))
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--gpu-kernels", KERNELS_JSON],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "was measured on cpu" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
@@ -419,17 +431,19 @@ def test_measurements_without_what_the_model_reads_are_refused(tmp_path):
     sets_only = tmp_path / "sets_only.json"  # bench_kernels.py --sets-only: no single buffer
     sets_only.write_text(json.dumps(dict(run, rows=[r for r in run["rows"] if r["tensors"] > 1])))
     with pytest.raises(ValueError, match="no single-buffer case"):
-        model.gpu_kernels(str(sets_only))
+        model.cpu_kernels(str(sets_only))
     no_fp8 = tmp_path / "no_fp8.json"
     no_fp8.write_text(json.dumps(dict(run, rows=[r for r in run["rows"] if "fp8" not in r["op"]])))
     with pytest.raises(ValueError, match=r"no row 'gradsync compress\(fp8_e4m3\)'"):
         model.cpu_kernels(str(no_fp8))
+    cuda_run = tmp_path / "cuda.json"
+    cuda_run.write_text(json.dumps(dict(run, meta=dict(run["meta"], device="cuda:0"))))
     blocking_only = tmp_path / "hop.json"
     blocking_only.write_text(json.dumps({"meta": {}, "rows": [{"communicator": "blocking", "issue_us": 5.0}]}))
     with pytest.raises(ValueError, match="no row of the non-blocking communicator"):
-        model.gpu_kernels(KERNELS_JSON, str(blocking_only))
+        model.gpu_kernels(str(cuda_run), str(blocking_only))
     # the command line says which file and why, as a usage error, rather than a traceback
-    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--gpu-kernels", str(sets_only)],
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--kernels", str(sets_only)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # the installed package
     assert out.returncode == 2 and "no single-buffer case" in out.stderr and "Traceback" not in out.stderr
 
@@ -440,7 +454,7 @@ def test_measurements_of_zero_or_less_are_refused_by_name(tmp_path):
         kernels = json.load(f)
     with open(NETEM_JSON) as f:
         netem = json.load(f)
-    cases = [("kernels.json", dict(kernels, meta=dict(kernels["meta"], copy_gbps=0)), "--gpu-kernels",
+    cases = [("kernels.json", dict(kernels, meta=dict(kernels["meta"], copy_gbps=0, device="cuda:0")), "--gpu-kernels",
               "meta.copy_gbps must be a positive number, got 0"),
              ("kernels.json", dict(kernels, rows=[dict(r, time_ms=-1.0) for r in kernels["rows"]]), "--kernels",
               "must be a positive number, got -1.0"),
