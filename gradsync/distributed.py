@@ -53,6 +53,7 @@ _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL com
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
 _sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
 _registered = weakref.WeakSet()  # groups of torch.distributed's registry, whose destruction it tells
+_DESTROYED = "gradsync: torch.distributed destroyed this process group"
 
 
 class AllReduceWork:
@@ -262,6 +263,8 @@ def _resolve_group(group, name="group", caller="all_reduce"):
                            "(torch.distributed.init_process_group)")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
+    if group in _registered and not _group_is_live(group):
+        raise RuntimeError(_DESTROYED)
     _check_member(group, name)
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
@@ -285,13 +288,38 @@ def _check_waitable(group, async_op, caller):
 
 def _engine(group, tensor):
     stale = []
+    try:
+        engine = _engine_of(group, stale)
+    finally:
+        if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
+            _C._release_engines([e for _, e in stale])
+    if tensor.is_cuda and _uses_nccl(group):
+        if engine.nccl_device < 0:
+            # one communicator per group, even when two threads make its first CUDA call at once; a lock
+            # per group, since the bootstrap is a collective that other groups' must not wait for
+            with _engines_lock:
+                attach_lock = _attach_locks.setdefault(group, threading.Lock())
+            with attach_lock:
+                if engine.nccl_device < 0:
+                    _attach_nccl(engine, group, tensor.device)
+        _check_nccl_device(tensor, group)
+    return engine
+
+
+def _engine_of(group, stale):
+    """The group's engine, made where it has none. The engines of groups torch.distributed destroyed
+    go into ``stale``, to be released, when an engine is made or a call comes on such a group (the
+    calls of gradsync.DataParallel and of the hooks reach no other check of the group)."""
     with _engines_lock:  # one engine per group, even when two threads make its first call at once
         engine = _engines.get(group)
-        if engine is None:
-            stale = [(g, _engines.pop(g)) for g in [g for g in _engines if g in _registered and not _group_is_live(g)]]
+        destroyed = group in _registered and not _group_is_live(group)
+        if engine is None or destroyed:
+            stale += [(g, _engines.pop(g)) for g in [g for g in _engines if g in _registered and not _group_is_live(g)]]
             for g, _ in stale:
-                _broken[g] = "gradsync: torch.distributed destroyed this process group"
+                _broken[g] = _DESTROYED
                 _sequences.pop(g, None)
+            if destroyed:  # its engine is in stale, or shutdown() released it
+                engine, _broken[group] = None, _DESTROYED
         on_engine_thread = _C._on_engine_thread()
         # A callback's call while shutdown() finishes the group's calls runs among them, in its turn,
         # as it does on the peers: shutdown() waits for the thread it runs on, and a new engine's tags
@@ -311,18 +339,6 @@ def _engine(group, tensor):
                 _registered.add(group)
             if _shutdowns and on_engine_thread:  # a running shutdown() stops what its calls' callbacks start
                 _to_stop[group] = None
-    if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
-        _C._release_engines([e for _, e in stale])
-    if tensor.is_cuda and _uses_nccl(group):
-        if engine.nccl_device < 0:
-            # one communicator per group, even when two threads make its first CUDA call at once; a lock
-            # per group, since the bootstrap is a collective that other groups' must not wait for
-            with _engines_lock:
-                attach_lock = _attach_locks.setdefault(group, threading.Lock())
-            with attach_lock:
-                if engine.nccl_device < 0:
-                    _attach_nccl(engine, group, tensor.device)
-        _check_nccl_device(tensor, group)
     return engine
 
 

@@ -1097,6 +1097,49 @@ def test_a_group_survives_one_rank_s_shutdown_a_waiting_callback_and_a_fork_and_
         assert out["parent after the fork"] == [2.0] * 4
 
 
+def trained_after_destroy(rank, size, order, default_group):
+    """One step of gradsync.DataParallel and of a DDP hook on a group, then the group destroyed
+    (``order``: after shutdown(), or without): each later step raises, saying so, rather than
+    communicate over it (they did, over the destroyed group or one a later call happened to start)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    group = None if default_group else dist.new_group(list(range(size)))
+    torch.manual_seed(0)
+    wrapped = gradsync.DataParallel(torch.nn.Linear(8, 2), codec="fp16", process_group=group)
+    hooked = DDP(torch.nn.Linear(8, 2), process_group=group)
+    hooked.register_comm_hook(gradsync.hooks.GradSyncState(group), gradsync.hooks.allreduce_hook)
+    x = torch.randn(4, 8)
+    for model in (wrapped, hooked):
+        model(x).sum().backward()
+    if order == "shutdown, destroy":
+        gradsync.shutdown()
+    dist.destroy_process_group(group)
+    outcomes = []
+    for model in (wrapped, hooked):
+        model.zero_grad()
+        try:
+            model(x).sum().backward()
+            outcomes.append("trained")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+@pytest.mark.parametrize("order", ["shutdown, destroy", "destroy"])
+def test_training_on_a_destroyed_group_raises(worlds, order):
+    results = worlds(2).run(trained_after_destroy, order, False)
+    world = World(2, group_timeout_s=20)  # the default group, destroyed: a world of its own
+    try:
+        results += world.run(trained_after_destroy, order, True, timeout=120)
+    finally:
+        world.close()
+    for i, outcomes in enumerate(results):
+        assert len(outcomes) == 2, outcomes
+        assert "torch.distributed destroyed this process group" in outcomes[0], outcomes
+        # the hook's state names the default group as None: gone with torch.distributed itself
+        gone = "needs torch.distributed to be initialized" if i >= 2 else "torch.distributed destroyed this process"
+        assert gone in outcomes[1], outcomes
+
+
 def test_world_of_one_applies_the_codec_and_nothing_else(worlds):
     assert worlds(1).run(world_of_one) == [(True, True)]
 
