@@ -49,8 +49,8 @@ def test_demo_refuses_bad_arguments_before_it_trains(tmp_path):
         assert done.returncode == 2 and says in done.stderr, done.stderr
 
 
-def test_demo_help_says_what_it_compares():
+def test_demo_help_says_what_it_compares(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gradsync.demo", "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=tmp_path)  # the installed package, not the source tree
     assert done.returncode == 0 and "and gradsync.DataParallel, side by side" in done.stdout, done.stdout
     assert "torchrun --nproc-per-node 4 -m gradsync.demo" in done.stdout, done.stdout
