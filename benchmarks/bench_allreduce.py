@@ -231,9 +231,9 @@ def bench(args, device, size_done):
             ms, p50, p90, slow = slowest_stats_ms(samples[name], device, None)
             base_ms = ms if name == "torch fp32" else base_ms
             algbw = size / ms / 1e6
-            rows.append({"bytes": size, "count": numel, "type": "float", "redop": "avg", "impl": name, "time_ms": ms,
-                         "algbw": algbw,
-                         "busbw": algbw * 2 * (n - 1) / n, "wire_bytes": gradsync.payload_nbytes(wire_codec, numel),
+            rows.append({"bytes": size, "count": numel, "type": "float", "redop": "avg", "impl": name,
+                         "time_ms": ms, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
+                         "wire_bytes": gradsync.payload_nbytes(wire_codec, numel),
                          "speedup": base_ms / ms if base_ms and name != "torch fp32" else 0.0, "error": errors[name],
                          "p50_ms": p50, "p90_ms": p90, "slow_calls": slow})
         size_done(rows)

@@ -196,12 +196,10 @@ void check_residual(const at::Tensor& input, const RingOptions& options) {
                 "gradsync: the residual must be a contiguous float32 tensor with the input's numel and device");
   }
 }
-}  // namespace
 
-namespace {
 // The ring writes through raw pointers, behind autograd: bump what it writes, as torch's in-place
 // collectives do at the call, so that a tensor saved for backward and then overwritten raises there.
-// Inference tensors keep no version (all_reduce() refuses them outside inference mode, where
+// Inference tensors keep no version (the Python functions refuse them outside inference mode, where
 // bumping one would throw, after the call was queued).
 void bump_versions(std::initializer_list<const at::Tensor*> written) {
   for (const at::Tensor* t : written) {
