@@ -263,7 +263,7 @@ def _resolve_group(group, name="group", caller="all_reduce"):
                            "(torch.distributed.init_process_group)")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
-    if group in _registered and not _group_is_live(group):
+    if _destroyed(group):
         raise RuntimeError(_DESTROYED)
     _check_member(group, name)
     if not isinstance(group, dist.ProcessGroup):
@@ -312,9 +312,9 @@ def _engine_of(group, stale):
     calls of gradsync.DataParallel and of the hooks reach no other check of the group)."""
     with _engines_lock:  # one engine per group, even when two threads make its first call at once
         engine = _engines.get(group)
-        destroyed = group in _registered and not _group_is_live(group)
+        destroyed = _destroyed(group)
         if engine is None or destroyed:
-            stale += [(g, _engines.pop(g)) for g in [g for g in _engines if g in _registered and not _group_is_live(g)]]
+            stale += [(g, _engines.pop(g)) for g in [g for g in _engines if _destroyed(g)]]
             for g, _ in stale:
                 _broken[g] = _DESTROYED
                 _sequences.pop(g, None)
@@ -694,6 +694,11 @@ def _group_is_live(group):
         return False
     live = _registered_groups()
     return live is None or group in live
+
+
+def _destroyed(group):
+    """A group of torch.distributed's registry that it has since destroyed."""
+    return group in _registered and not _group_is_live(group)
 
 
 def shutdown():
