@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import _ALL_REDUCE, _check_flag, _issue, _refusal, _resolve_group
@@ -360,6 +361,46 @@ def _apart(tensors):
 _copying = contextvars.ContextVar("copying", default=False)
 
 
+def _named_device(value, device, name):
+    """The device ``value`` (an index of ``device``'s type, a name or a torch.device) names; an
+    index-less one of ``device``'s type is its type's current device, as for DDP."""
+    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
+        raise TypeError(f"{name} must be a device index, a device name or a torch.device, got {type(value).__name__}")
+    try:
+        named = torch.device(device.type, value) if isinstance(value, int) else torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{name}: {error}") from None
+    if named.index is None and named.type == device.type != "cpu":
+        named = torch.device(named.type, getattr(torch, named.type).current_device())
+    return named
+
+
+def _check_device_ids(device_ids, output_device, device):
+    """DDP's ``device_ids`` and ``output_device``, checked against ``device``, where the module is:
+    ([index], index), or (None, None) where neither is given."""
+    if device_ids is not None and not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"device_ids must be None or a list of one device, got {type(device_ids).__name__}")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids can only be None or hold a single device (one process per device), got "
+                         f"{list(device_ids)}")
+    if not device_ids:  # DDP takes [] as None
+        if output_device is not None:
+            raise ValueError(f"output_device={output_device!r} needs device_ids (the module's GPU)")
+        return None, None
+    if device.type == "cpu":
+        raise ValueError(f"device_ids and output_device are for a module on one GPU; this one is on cpu "
+                         f"(device_ids={list(device_ids)}): leave them out")
+    named = _named_device(device_ids[0], device, "device_ids[0]")
+    if named != device:
+        raise ValueError(f"device_ids names {named}, but the module's parameters are on {device}; move the module "
+                         "to the rank's device first, then wrap it")
+    output = _named_device(device_ids[0] if output_device is None else output_device, device, "output_device")
+    if output != device:
+        raise ValueError(f"output_device names {output}, but the output stays where the module puts it, on "
+                         f"{device} (as DDP's does); leave output_device out or name {device}")
+    return [device.index], device.index
+
+
 def _copy_of(module, settings, training):
     """A DataParallel rebuilt from a copy (see DataParallel.__reduce_ex__)."""
     token = _copying.set(True)
@@ -386,6 +427,12 @@ class DataParallel(torch.nn.Module, Joinable):
       too), so they must keep the shapes and dtypes they were wrapped with: a broadcasting
       forward after one changed (a cache grown on demand, a cast after wrapping) raises on the
       ranks where it changed, and the others wait in the broadcast until the group's timeout.
+    - ``device_ids`` and ``output_device`` are DDP's, for a module on one GPU:
+      ``device_ids=[local_rank]`` must name the device the module is on (DDP does not check), and
+      the forward's inputs are moved there as DDP moves them (the tensors in tuples, lists, dicts
+      and named tuples, copied on a side stream). ``output_device`` (default: that device) may name
+      only that device too: the output stays where the module puts it, as under DDP, which ignores
+      it. A CPU module takes neither (a ValueError, as from DDP); ``device_ids=[]`` is None.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward usually produces them; the first bucket is 1 MiB so that communication starts
@@ -499,7 +546,7 @@ class DataParallel(torch.nn.Module, Joinable):
     def __init__(self, module: torch.nn.Module, *, codec: str = "fp16", bucket_cap_mb: float = 25,
                  process_group: Optional[dist.ProcessGroup] = None, error_feedback: bool = False,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, device_ids=None, output_device=None):
         super().__init__()
         Joinable.__init__(self)
         if not isinstance(module, torch.nn.Module):
@@ -529,6 +576,8 @@ class DataParallel(torch.nn.Module, Joinable):
         if len(devices) > 1:
             raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "
                              f"({', '.join(devices)}); move the module to one device first")
+        self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, params[0].device)
+        self._copies_on_side_stream = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"  # as DDP's
         self.module = module
         self.codec = codec
         self.process_group = _resolve_group(process_group, "process_group", caller="DataParallel")
@@ -608,7 +657,8 @@ class DataParallel(torch.nn.Module, Joinable):
                             "saved (a process group cannot be); copy or save model.module and wrap it again")
         settings = dict(codec=self.codec, bucket_cap_mb=self._bucket_cap_mb, error_feedback=self._error_feedback,
                         broadcast_buffers=self.broadcast_buffers, find_unused_parameters=self.find_unused_parameters,
-                        gradient_as_bucket_view=self.gradient_as_bucket_view)
+                        gradient_as_bucket_view=self.gradient_as_bucket_view, device_ids=self.device_ids,
+                        output_device=self.output_device)
         return _copy_of, (self.module, settings, self.training)
 
     def __copy__(self):
@@ -764,6 +814,8 @@ class DataParallel(torch.nn.Module, Joinable):
     def forward(self, *args, **kwargs):
         self._before_forward()
         try:
+            if self.device_ids and (args or kwargs):
+                args, kwargs = self._moved_to_device(args, kwargs)
             output = self.module(*args, **kwargs)
         except BaseException:
             self._take_hint_back()
@@ -782,6 +834,13 @@ class DataParallel(torch.nn.Module, Joinable):
 
     def _take_hint_back(self):
         DistributedDataParallel._active_ddp_module, self._outer_ddp_module = self._outer_ddp_module, None
+
+    @_eager_under_compile
+    def _moved_to_device(self, args, kwargs):
+        """The forward's inputs on the module's device, as DDP moves them where ``device_ids`` is given
+        (the tensors in tuples, lists, dicts and named tuples; copied on a side stream)."""
+        moved_args, moved_kwargs = _to_kwargs(args, kwargs, self._device, self._copies_on_side_stream)
+        return moved_args[0], moved_kwargs[0]
 
     @_eager_under_compile
     def _before_forward(self):

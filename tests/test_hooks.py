@@ -597,6 +597,66 @@ def test_hooks_and_data_parallel_over_nccl_at_world_size_one():
     assert_error_feedback_helps(out, out["ddp"])
 
 
+class KeywordNet(torch.nn.Module):
+    """make_net() behind a forward that takes its tensors nested and by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, inputs, *, target):
+        return F.mse_loss(self.net(inputs["x"][0]), target)
+
+
+def train_with_device_ids(rank, size):
+    """(whether training with DDP's device_ids=[local_rank] and inputs on the host matches training with
+    inputs moved by hand, bitwise; a copy's device_ids)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    params = []
+    for given in (True, False):
+        ids = {"device_ids": [device.index], "output_device": device} if given else {}
+        model = gradsync.DataParallel(KeywordNet().to(device), codec="fp16", bucket_cap_mb=BUCKET_MB, **ids)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = batch(rank, step)
+            if not given:
+                x, y = x.to(device), y.to(device)
+            loss = model({"x": [x]}, target=y)
+            assert loss.device == device
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        params.append(params_of(model).cpu())
+        if given:
+            copied = copy.deepcopy(model).device_ids
+    return torch.equal(*params), copied
+
+
+@pytest.mark.cuda
+def test_data_parallel_takes_ddps_device_ids_and_moves_inputs_to_the_module(worlds):
+    for same, copied in worlds(2).run(train_with_device_ids):
+        assert same and copied == [torch.cuda.current_device()]
+
+
+@pytest.mark.parametrize("device_ids,output_device,error,words", [
+    ([1], None, None, None), (("cuda:1",), "cuda:1", None, None), ([torch.device("cuda", 1)], 1, None, None),
+    ([0], None, ValueError, "device_ids names cuda:0, but the module's parameters are on cuda:1"),
+    ([1], 0, ValueError, "output_device names cuda:0, but the output stays where the module puts it"),
+    ([True], None, TypeError, "device_ids[0] must be a device index, a device name or a torch.device, got bool"),
+    (["gpu:1"], None, ValueError, "device_ids[0]: Expected one of"),
+    ([-1], None, ValueError, "device_ids[0]: Device index must not be negative"),
+])
+def test_data_parallel_checks_device_ids_against_the_modules_gpu(device_ids, output_device, error, words):
+    # DDP would move the inputs to device_ids[0] whatever device the module is on
+    from gradsync.data_parallel import _check_device_ids
+    if error is None:
+        assert _check_device_ids(device_ids, output_device, torch.device("cuda", 1)) == ([1], 1)
+        return
+    with pytest.raises(error) as info:
+        _check_device_ids(device_ids, output_device, torch.device("cuda", 1))
+    assert words in str(info.value)
+
+
 def accumulate(rank, size, mode, micro):
     """One step from `micro` accumulated micro-batches vs one step on their concatenation."""
     rows = 12
@@ -2023,6 +2083,17 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
      ValueError, "on several devices (cpu, meta)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[0]), ValueError,
+     "device_ids and output_device are for a module on one GPU; this one is on cpu (device_ids=[0])"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=0), TypeError,
+     "device_ids must be None or a list of one device, got int"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[0, 1]), ValueError,
+     "device_ids can only be None or hold a single device (one process per device), got [0, 1]"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), output_device=0), ValueError,
+     "output_device=0 needs device_ids"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[]), RuntimeError,  # DDP's None
+     "torch.distributed to be initialized"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), dim=1), TypeError, "unexpected keyword argument 'dim'"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error) as info:
