@@ -30,7 +30,7 @@ from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
                           _check_tensor, _issue, _issue_reduce_scatter, _refuse, _refused_on_error,
                           _resolve_group, _timeout_of, all_reduce, resolve_scales)
-from .ops import _check_codec, _eager_under_compile
+from .ops import _CODEC_IDS, _check_codec, _check_own_elements, _check_writable, _eager_under_compile
 
 __all__ = ["GradSyncState", "HierarchicalState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
            "fp8_compress_hook", "hierarchical_average", "hierarchical_hook"]
@@ -484,7 +484,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     all-gather the shards with gradsync's ring. Every rank ends with the same bits.
 
     Against gradsync's flat ring over all n ranks: only the c-1 hops between nodes (c nodes) round
-    to the codec, not n-1, and the host issues 2(c-1) hops per slice across nodes instead of
+    to the codec, not n-1 (one node rounds nothing), and the host issues 2(c-1) hops per slice across nodes instead of
     2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
     each link carries are those of NCCL's own multi-node rings, less the codec's saving. The three
     steps are issued at once, in bucket order, each waiting on gradsync's threads for the one before,
@@ -532,6 +532,11 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     return done.then(state._value_once_agreed(bucket, state.codec)) if check and bucket.parameters() else done
 
 
+def _takes_turns(group):
+    """Whether a refusal can take this rank's turn on ``group`` (one it was given that it is in)."""
+    return isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER
+
+
 def _hierarchical_calls(local_group, cross_group):
     """The groups and operations of a hierarchical step's calls, in the order they are issued."""
     return [(local_group, _REDUCE_SCATTER), (cross_group, _ALL_REDUCE), (local_group, _ALL_GATHER)]
@@ -547,15 +552,17 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
     (:func:`gradsync.reduce_scatter` in the node, :func:`gradsync.all_reduce` across the nodes,
     :func:`gradsync.all_gather` in the node) are issued here and run on gradsync's threads, each
     after the one before: calls of the caller's own on these groups queue behind them."""
-    _check_two_groups(local_group, cross_group)
     # a call this rank does not make is still its turn on that group (refused), so that the peers
     # raise, naming it, instead of waiting for it until the group's timeout
     unissued = _hierarchical_calls(local_group, cross_group)
     try:
+        _check_two_groups(local_group, cross_group)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
         _check_codec(codec)
         check_call = _check_flag(check_call, "check_call")
+        _check_writable(tensor, "tensor")  # written in place, behind autograd's back
+        _check_own_elements(tensor, "tensor")
         per_node = local_group.size()
         shard_numel = -(-tensor.numel() // per_node)
         flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
@@ -572,17 +579,21 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
             _check_nccl_device(shard, group)
         _check_not_capturing(shard, "hierarchical_average")
         made_here = [shard] + ([flat] if not tensor.is_contiguous() else []) + ([padded] if padded is not flat else [])
+        # the node's ranks must agree on the codec across the nodes too: each cross group holds one
+        # place of every node, so a node whose ranks differ would pass the cross groups' checks
         scattered = _issue_reduce_scatter(shard, padded, "none", local_group, *resolve_scales("avg", per_node),
-                                          check_call, None)
+                                          check_call, None, layout=_CODEC_IDS[codec] + 1)
         del unissued[0]
-        across = _issue(shard, codec, cross_group, *resolve_scales("avg", cross_group.size()), check_call, residual,
-                        after=scattered)
+        # one node: nothing crosses a node, so nothing is rounded to the codec
+        across = _issue(shard, codec if cross_group.size() > 1 else "none", cross_group,
+                        *resolve_scales("avg", cross_group.size()), check_call, residual, after=scattered)
         del unissued[0]
         gathered = _all_gather_after(padded, shard, "none", local_group, check_call, after=across)
         del unissued[0]
     except Exception as error:
         for group, op in unissued:
-            _refuse(group, tensor, check_call, op, error)
+            if _takes_turns(group) and not (op == _ALL_REDUCE and group is local_group):
+                _refuse(group, tensor, check_call, op, error)
         raise
 
     def copy_back(fut):  # on gradsync's thread of the node's group

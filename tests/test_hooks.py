@@ -339,7 +339,62 @@ def hierarchical_misuse(rank, size):
         F.mse_loss(ddp(x), y).backward()
     with pytest.raises(Exception, match="an earlier step failed"):
         F.mse_loss(ddp(x), y).backward()
+    # so do the ranks of a node (each cross group then agrees within itself)
+    ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(hooks.HierarchicalState(2, "fp16" if rank % 2 else "fp8_e4m3"), hooks.hierarchical_hook)
+    with pytest.raises(Exception, match="hooks.hierarchical_average: and use one codec across the nodes"):
+        F.mse_loss(ddp(x), y).backward()
     return True
+
+
+def hierarchical_wrong_on_one_rank(rank, size):
+    """One node of two ranks. Rank 0 alone gives wrong groups or a tensor it cannot write, or the
+    two ranks give different codecs: every rank raises at once, the tensor is left as it was, and
+    the next call is right (rank 0's turns in the node's calls are refused, not skipped)."""
+    state = hooks.HierarchicalState(2)
+    wrong = [("groups", state.local_group, "none"), ("groups", "across", "none"), ("tensor", None, "none"),
+             ("codec", None, "fp16" if rank else "fp8_e4m3")]
+    outcomes = []
+    for what, cross, codec in wrong:
+        x = torch.full((8,), float(rank), requires_grad=what == "tensor" and rank == 0)
+        start = time.monotonic()
+        with pytest.raises((ValueError, TypeError, RuntimeError)) as error:  # a future's callback: RuntimeError
+            hooks.hierarchical_average(x, state.local_group, cross if what == "groups" and rank == 0 else
+                                       state.cross_group, codec).wait()
+        assert time.monotonic() - start < 10, what
+        assert torch.equal(x, torch.full((8,), float(rank))), what
+        outcomes.append(str(error.value))
+    x = torch.full((8,), 100.0 + rank)
+    hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+    assert torch.equal(x, torch.full((8,), 100.5))
+    return outcomes
+
+
+def hierarchical_one_node(rank, size):
+    """One node of every rank: nothing crosses a node, so the codec rounds nothing, and an error
+    feedback residual stays zero."""
+    state = hooks.HierarchicalState(size)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1001, generator=g) * torch.logspace(-6, 6, 1001)
+    averages = []
+    for codec in ("none", "fp8_e4m3", "fp16"):
+        y, residual = x.clone(), torch.zeros(-(-x.numel() // size))
+        hooks.hierarchical_average(y, state.local_group, state.cross_group, codec, residual=residual).wait()
+        assert not residual.any(), codec
+        averages.append(y)
+    return all(torch.equal(y, averages[0]) for y in averages)
+
+
+def test_hierarchical_sync_on_one_node_rounds_nothing(worlds):
+    assert all(worlds(2).run(hierarchical_one_node))
+
+
+def test_hierarchical_average_fails_on_every_rank_where_one_is_wrong(worlds):
+    here, peer = worlds(2).run(hierarchical_wrong_on_one_rank)
+    assert "must be two groups" in here[0] and "cross_group must be a torch.distributed ProcessGroup" in here[1]
+    assert here[2].startswith("tensor requires grad"), here
+    assert all("group rank(s) 0 could not prepare" in m for m in peer[:3]), peer
+    assert all("use one codec across the nodes" in m for m in (here[3], peer[3])), (here, peer)
 
 
 def hierarchical_on_ddps_group(rank, size):
@@ -505,6 +560,14 @@ def groups_and_states_misuse(rank, size):
         assert kept.process_group is pair and kept.codec == "bf16"
     with pytest.raises(ValueError, match="must be two groups"):
         hooks.hierarchical_average(torch.ones(4), dist.group.WORLD, dist.group.WORLD, "fp16")
+    with torch.inference_mode():
+        inference = torch.ones(4)
+    # written in place: as the collectives, refused before anything is issued
+    for tensor, words in [(torch.ones(1).expand(4), "tensor is an expanded view"),
+                          (torch.ones(5, requires_grad=True), "tensor requires grad"),
+                          (inference, "tensor is an inference tensor")]:
+        with pytest.raises(ValueError, match=words):
+            hooks.hierarchical_average(tensor, state.local_group, state.cross_group, "none")
     # one group of this rank alone for both: the all-reduce across "nodes" would run from a callback
     # of that group's own future (on its thread, unless the reduce-scatter was done in time)
     with pytest.raises(ValueError, match="must be two groups"):

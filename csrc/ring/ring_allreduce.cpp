@@ -173,7 +173,7 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
          << dtype_name(c.dtype) << ", codec " << codec_name(c.codec) << ", prescale " << c.prescale << ", postscale "
          << c.postscale << ", slices of " << c.slice_elems << " elements, schedule " << (c.direct ? "direct" : "ring")
          << ", operation " << op_name(c.op);
-    if (c.layout) diff << ", layout " << c.layout << " (which tensors the buffer holds)";
+    if (c.layout) diff << ", layout " << c.layout << " (which tensors the buffer holds, or what follows the call)";
   };
   for (int i = 0; i < n; ++i) {
     if (std::memcmp(&table[i], &table[0], sizeof(RingCall)) != 0) {
@@ -188,7 +188,9 @@ void compare_ring_calls(const RingCall* table, int n, int self) {
     const bool layouts = std::any_of(table, table + n, [&](const RingCall& c) { return c.layout != table[0].layout; });
     throw std::invalid_argument(op + ": the ranks disagree on the call:" + diff.str() +
                                 " every rank must pass the same numel, dtype, codec and scaling" +
-                                (layouts ? " (gradsync.fsdp: and reduce the same parameters)" : ""));
+                                (layouts ? " (gradsync.fsdp: and reduce the same parameters; "
+                                           "hooks.hierarchical_average: and use one codec across the nodes)"
+                                         : ""));
   }
 }
 

@@ -131,8 +131,9 @@ struct RingCall {
   int32_t op;  // a RingOp
   int32_t unprepared;  // 1: this rank could not prepare the call (its workspaces, say) and raises why
   // The caller's fingerprint of what the buffer holds beyond its size (gradsync.fsdp: which of the
-  // module's parameters), 0 for none. Also the record's last bytes: records are compared bytewise,
-  // so no byte of one is left undefined.
+  // module's parameters) or of what follows the call (hooks.hierarchical_average's reduce-scatter in
+  // the node: the codec of the all-reduce across the nodes), 0 for none. Also the record's last
+  // bytes: records are compared bytewise, so no byte of one is left undefined.
   int32_t layout = 0;
 };
 static_assert(sizeof(RingCall) == 48, "RingCall has implicit padding");
