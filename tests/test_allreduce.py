@@ -21,11 +21,13 @@ from distributed_harness import World
 from gradsync.distributed import _refusal_device, resolve_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# unit roundoff of each wire format, and its absolute floor: half the smallest subnormal, or for fp8
-# the block-scale term 2*sub/FMAX of the block's largest value (see README)
+# unit roundoff of each wire format, and its absolute floor: half the smallest subnormal, for fp8
+# times the block's scale d <= max(2a/FMAX, 2^-126), a the block's largest value (see README)
 WIRE_U = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8,
           "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
-FP8_FLOOR = {"fp8_e4m3": 2 * 2.0**-10 / 448, "fp8_e5m2": 2 * 2.0**-17 / 57344}
+FLOOR = {"float32": 2.0**-150, "bfloat16": 2.0**-134, "float16": 2.0**-25, "fp16": 2.0**-25, "bf16": 2.0**-134,
+         "fp8_e4m3": 2.0**-10, "fp8_e5m2": 2.0**-17}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 def rank_input(rank, numel, dtype, seed=0):
@@ -54,14 +56,17 @@ def error_ratio(result, inputs, codec, op, dtype_name, size, sums=None, prescale
     wire = dtype_name if codec == "none" else codec
     wire_u = 0.0 if wire == "float32" else WIRE_U[wire]  # an fp32 wire carries fp32 sums unrounded
     floor = torch.zeros_like(s)
-    if codec in FP8_FLOOR:
+    if codec in FP8_MAX:
         blocks = torch.nn.functional.pad(s, (0, -s.numel() % 128)).view(-1, 128).amax(1)
-        floor = FP8_FLOOR[codec] * blocks.repeat_interleave(128)[: s.numel()]
-    elif wire in ("float16", "fp16"):
-        floor = torch.full_like(s, 2.0**-25)
-    u_out = WIRE_U[dtype_name]  # the postscale's product, rounded to the tensor's dtype
+        scales = torch.clamp(2 * blocks / FP8_MAX[codec], min=2.0**-126)
+        floor = FLOOR[codec] * scales.repeat_interleave(128)[: s.numel()]
+    elif wire != "float32":
+        floor = torch.full_like(s, FLOOR[wire])
+    # the postscale's product, rounded to the tensor's dtype, subnormals included
+    u_out, floor_out = WIRE_U[dtype_name], FLOOR[dtype_name]
     # size fp32 roundings (the prescale's product, size - 1 additions) and one wire rounding per encode
-    bound = postscale * (encodes * (wire_u * s + floor) + size * 2.0**-24 * s) + u_out * ref.abs() + 1e-30
+    bound = postscale * (encodes * (wire_u * s + floor) + size * (2.0**-24 * s + 2.0**-150)) + \
+        u_out * ref.abs() + floor_out
     return float(((result.double() - ref).abs() / bound).max()) if result.numel() else 0.0
 
 
@@ -82,6 +87,36 @@ def run_cases(rank, size, cases, direct=None):
     ``direct``: DIRECT_BYTES for these calls (see direct_bytes)."""
     with direct_bytes(direct):
         return _run_cases(rank, size, cases)
+
+
+def bottom_of_the_range(rank, size, dtype_name):
+    """{(collective, codec, op): error ratio} for inputs at the bottom of their dtype's range, its
+    subnormals included, where only the formats' absolute floors bound the error."""
+    dtype = DTYPES[dtype_name]
+    low, high = (-9, -4) if dtype == torch.float16 else (-45, -36)  # decades: float16's subnormals start at 6e-8
+    inputs = []
+    for r in range(size):
+        g = torch.Generator().manual_seed(r)
+        x = torch.randn(128 * size, generator=g, dtype=torch.float64)
+        inputs.append((x * torch.pow(10.0, torch.empty_like(x).uniform_(low, high, generator=g))).to(dtype))
+    out = {}
+    for codec in gradsync.CODECS:
+        for op in ("avg", "sum"):
+            x = inputs[rank].clone()
+            gradsync.all_reduce(x, op=op, codec=codec)
+            out[("all_reduce", codec, op)] = error_ratio(x, inputs, codec, op, dtype_name, size)
+            mine = slice(rank * 128, (rank + 1) * 128)
+            chunk = torch.empty(128, dtype=dtype)
+            gradsync.reduce_scatter(chunk, inputs[rank], op=op, codec=codec)
+            out[("reduce_scatter", codec, op)] = error_ratio(chunk, [i[mine] for i in inputs], codec, op, dtype_name,
+                                                             size, encodes=size - 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_results_at_the_bottom_of_each_format_stay_within_the_bound(worlds, dtype_name):
+    for ratios in worlds(3).run(bottom_of_the_range, dtype_name):
+        assert all(ratio <= 1.0 for ratio in ratios.values()), {k: v for k, v in ratios.items() if v > 1}
 
 
 def _run_cases(rank, size, cases):
