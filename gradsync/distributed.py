@@ -47,7 +47,7 @@ _engines = {}
 _stopping = {}  # group -> its engine, while shutdown() waits for its calls
 _to_stop = {}  # the groups whose engines the running shutdown() has yet to stop (an ordered set)
 _shutdowns = 0  # shutdown() calls running
-_engines_lock = threading.Lock()
+_engines_lock = threading.RLock()  # an RLock for its owner check (see _locked): never taken twice
 _stopped = threading.Condition(_engines_lock)  # notified as shutdown() lets go of each group
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
 _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for engines shutdown() released
@@ -286,6 +286,20 @@ def _check_waitable(group, async_op, caller):
                        "the two groups may wait for each other (hierarchical_average's do): pass async_op=True")
 
 
+@contextlib.contextmanager
+def _locked():
+    """The engine table's lock. The thread that holds it can come back for it only from a signal
+    handler (or a finalizer) run in the middle of gradsync's own bookkeeping on that thread: it
+    would wait forever, and going in would find the table half updated, so that call raises."""
+    lock = _engines_lock
+    if lock._is_owned():
+        raise RuntimeError("gradsync was called from a signal handler (or a finalizer) that interrupted gradsync's own "
+                           "bookkeeping on this thread; have the handler set a flag that the training loop reads, "
+                           "and call gradsync there")
+    with lock:
+        yield
+
+
 def _engine(group, tensor):
     stale = []
     try:
@@ -297,7 +311,7 @@ def _engine(group, tensor):
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
             # per group, since the bootstrap is a collective that other groups' must not wait for
-            with _engines_lock:
+            with _locked():
                 attach_lock = _attach_locks.setdefault(group, threading.Lock())
             with attach_lock:
                 if engine.nccl_device < 0:
@@ -310,7 +324,10 @@ def _engine_of(group, stale):
     """The group's engine, made where it has none. The engines of groups torch.distributed destroyed
     go into ``stale``, to be released, when an engine is made or a call comes on such a group (the
     calls of gradsync.DataParallel and of the hooks reach no other check of the group)."""
-    with _engines_lock:  # one engine per group, even when two threads make its first call at once
+    engine = _engines.get(group)
+    if engine is not None and not _destroyed(group):  # without the lock, which a signal handler's call may need
+        return engine  # (shutdown() may stop it meanwhile: _submit then takes the group's next engine)
+    with _locked():  # one engine per group, even when two threads make its first call at once
         engine = _engines.get(group)
         destroyed = _destroyed(group)
         if engine is None or destroyed:
@@ -471,7 +488,7 @@ def _submit(group, tensor, call):
         try:
             return call(engine)
         except RuntimeError:
-            with _engines_lock:
+            with _locked():
                 stopped_meanwhile = _engines.get(group) is not engine and not engine.accepts_calls
             if not stopped_meanwhile:
                 raise
@@ -719,19 +736,22 @@ def shutdown():
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
                            "all-reduce's future); call it from the thread that issued the calls")
     global _shutdowns
-    with _engines_lock:
-        _shutdowns += 1
-        _to_stop.update(dict.fromkeys(_engines))
-    try:
+    counted = False
+    try:  # a KeyboardInterrupt anywhere leaves the count as it found it
+        with _locked():
+            _shutdowns += 1
+            counted = True
+            _to_stop.update(dict.fromkeys(_engines))
         _stop_engines()
     finally:
-        with _engines_lock:
-            _shutdowns -= 1
+        if counted:
+            with _locked():
+                _shutdowns -= 1
 
 
 def _stop_engines():
     while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
-        with _engines_lock:
+        with _locked():
             group = next((g for g in _engines if g in _to_stop), None)
             if group is None:
                 _to_stop.clear()  # what is left lost its engine otherwise (a group torch.distributed destroyed)
@@ -741,12 +761,14 @@ def _stop_engines():
         try:
             engine.stop()
         finally:
-            with _engines_lock:  # why it is unusable, before a new engine can be made for the group
-                if engine.broken:
-                    _broken[group] = engine.broken
-                _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
-                del _stopping[group]
-                _stopped.notify_all()
+            with _locked():  # why it is unusable, before a new engine can be made for the group
+                try:
+                    if engine.broken:
+                        _broken[group] = engine.broken
+                    _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
+                finally:  # even under a KeyboardInterrupt: the calls waiting for the group would wait forever
+                    del _stopping[group]
+                    _stopped.notify_all()
         if not _group_is_live(group):
             # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
             # group whose peers are gone can block), or at exit leave it to the process's end
@@ -773,7 +795,7 @@ def _forget_engines_in_forked_child():
     _stopping.clear()
     _to_stop.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread
-    _engines_lock, _attach_locks = threading.Lock(), weakref.WeakKeyDictionary()
+    _engines_lock, _attach_locks = threading.RLock(), weakref.WeakKeyDictionary()
     _stopped = threading.Condition(_engines_lock)
     _shutdowns = 0  # one running in another thread of the parent
 

@@ -6,6 +6,8 @@ import fractions
 import hashlib
 import itertools
 import os
+import random
+import signal
 import subprocess
 import sys
 import re
@@ -117,6 +119,41 @@ def bottom_of_the_range(rank, size, dtype_name):
 def test_results_at_the_bottom_of_each_format_stay_within_the_bound(worlds, dtype_name):
     for ratios in worlds(3).run(bottom_of_the_range, dtype_name):
         assert all(ratio <= 1.0 for ratio in ratios.values()), {k: v for k, v in ratios.items() if v > 1}
+
+
+def calls_from_a_signal_handler(rank, size):
+    """A SIGALRM handler that all-reduces, over and over, while the main thread does too: a handler
+    run between two bytecodes of gradsync's bookkeeping must not wait for what that code holds."""
+    sums, pause = [], random.Random(0)
+
+    def handler(signum, frame):
+        x = torch.ones(8)
+        gradsync.all_reduce(x, op="sum")
+        sums.append(float(x.sum()))
+        signal.setitimer(signal.ITIMER_REAL, pause.uniform(1e-4, 2e-3))
+    previous = signal.signal(signal.SIGALRM, handler)
+    t = torch.ones(8)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1e-3)
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            gradsync.all_reduce(t, op="sum")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # where the handler does interrupt that bookkeeping (a group's first call makes its engine), it raises
+    group = dist.new_group([0])
+    with gradsync.distributed._engines_lock:  # held by this thread, as by the code a handler interrupted
+        with pytest.raises(RuntimeError, match="called from a signal handler .* that interrupted gradsync's own"):
+            gradsync.all_reduce(t, group=group)
+        gradsync.all_reduce(t)  # the default group's engine is there: nothing to wait for
+    gradsync.all_reduce(t, group=group)
+    return len(sums), set(sums)
+
+
+def test_a_signal_handler_can_call_gradsync(worlds):
+    [(calls, sums)] = worlds(1).run(calls_from_a_signal_handler, timeout=60)
+    assert calls > 100 and sums == {8.0}, (calls, sums)
 
 
 def _run_cases(rank, size, cases):
