@@ -802,6 +802,32 @@ def test_the_timeout_is_the_call_s_own_group_s():
         world.close()
 
 
+def timeouts_set_since(rank, size):
+    """torch.distributed's _set_pg_timeout, as torchtitan sets it after a first step: gradsync's
+    waits follow it, lowered or raised, as torch's collectives do."""
+    lowered = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    raised = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    x = torch.ones(1000)
+    for group in (lowered, raised):
+        gradsync.all_reduce(x, group=group)  # its engine made, as by a first step
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2), lowered)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=60), raised)
+    if rank == 1:
+        time.sleep(5)  # late, within the raised timeout
+    gradsync.all_reduce(x, group=raised)
+    if rank == 1:
+        return None  # and never calls on the lowered group
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        gradsync.all_reduce(x, group=lowered)
+    return time.monotonic() - start
+
+
+def test_the_timeout_is_the_group_s_as_it_is_now(worlds):
+    seconds, _ = worlds(2).run(timeouts_set_since, timeout=40)
+    assert 1 <= seconds <= 12, seconds
+
+
 def destroy_group_first(rank, size):
     x = torch.randn(100000)
     gradsync.all_reduce(x, codec="fp16")

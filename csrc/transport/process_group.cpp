@@ -5,6 +5,17 @@ namespace {
 at::Tensor host_bytes(const void* data, int64_t bytes) {
   return at::from_blob(const_cast<void*>(data), {bytes}, at::TensorOptions().dtype(at::kByte));
 }
+
+// The group's timeout as it is now: torch.distributed's _set_pg_timeout changes it after the group
+// was made (torch's collectives follow), while gloo's point-to-point waits keep the one the group's
+// connections were made with unless told.
+std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
+  try {
+    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    return std::chrono::milliseconds(0);  // torch's kNoTimeout: a backend that does not say keeps its own
+  }
+}
 }  // namespace
 
 int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
@@ -24,14 +35,15 @@ int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_
 void ProcessGroupTransport::wait(int64_t handle) {
   auto& work = pending_.at(static_cast<size_t>(handle));
   if (!work) return;
-  work->wait();
+  work->wait(current_timeout(*group_));
   work.reset();
 }
 
 void ProcessGroupTransport::wait_all() {
+  const auto timeout = current_timeout(*group_);
   for (auto& work : pending_) {
     if (!work) continue;
-    work->wait();
+    work->wait(timeout);
     work.reset();
   }
   pending_.clear();

@@ -2,8 +2,9 @@
 //
 // Messages carry host memory. Tags live in gradsync's own range (>= 2^30), apart from the small
 // tags of user point-to-point traffic; gloo keeps point-to-point apart from collectives by itself.
-// A wait's timeout is the group's (the `timeout` given to init_process_group / new_group): a dead
-// peer closes its connections, and a peer that never answers runs into that timeout.
+// A wait's timeout is the group's (the `timeout` given to init_process_group / new_group, or set
+// since by torch.distributed's _set_pg_timeout): a dead peer closes its connections, and a peer
+// that never answers runs into that timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
