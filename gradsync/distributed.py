@@ -367,14 +367,32 @@ def _check_nccl_device(tensor, group):
                          f"is on cuda:{engine.nccl_device}: keep each rank's tensors on one GPU")
 
 
+def _backend_name(group):
+    """The group's backend as torch.distributed names it ("gloo", "nccl", "cpu:gloo,cuda:nccl"). A
+    group made outside its registry (as fault-tolerance libraries make them) names its own."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except ValueError:  # not in torch.distributed's registry
+        pass
+    names = {}
+    for device in ("cpu", "cuda"):
+        try:
+            names[device] = str(group._get_backend(torch.device(device)).name()).lower()
+        except Exception:  # noqa: BLE001 - no backend for that device
+            pass
+    if len(set(names.values())) == 1:
+        return next(iter(names.values()))
+    return ",".join(f"{device}:{name}" for device, name in names.items())
+
+
 def _nccl_only(group):
     """Whether NCCL is the group's only backend (CUDA tensors only)."""
-    return str(dist.get_backend(group)).lower() == "nccl"
+    return _backend_name(group) == "nccl"
 
 
 def _uses_nccl(group):
     """Whether the group moves CUDA tensors with NCCL ("nccl", or "cuda:nccl" in a combined backend)."""
-    return _moves_cuda_with_nccl(str(dist.get_backend(group)).lower())
+    return _moves_cuda_with_nccl(_backend_name(group))
 
 
 def _moves_cuda_with_nccl(backend):
@@ -529,7 +547,7 @@ def _refusal(group, tensor, checked, op, why):
     if group.size() == 1:
         return None
     engine = _engines.get(group) or _stopping.get(group)
-    device = _refusal_device(str(dist.get_backend(group)).lower(), engine.nccl_device if engine is not None else -1,
+    device = _refusal_device(_backend_name(group), engine.nccl_device if engine is not None else -1,
                              tensor.device if isinstance(tensor, torch.Tensor) else None)
     if device.type == "cuda":
         with torch.cuda.device(device):

@@ -802,6 +802,29 @@ def test_the_timeout_is_the_call_s_own_group_s():
         world.close()
 
 
+_BY_HAND = itertools.count()  # every rank makes such groups in the same order
+
+
+def a_group_made_by_hand(rank, size):
+    """A ProcessGroup made outside torch.distributed's registry, as fault-tolerance libraries make
+    them: gradsync's collectives take it, as torch's do."""
+    store = dist.PrefixStore(f"by-hand-{next(_BY_HAND)}", dist.distributed_c10d._get_default_store())
+    group = dist.ProcessGroup(store, rank, size)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                            dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=30)))
+    x = torch.arange(6.0) * (rank + 1)
+    expected = x.clone()
+    dist.all_reduce(expected, group=group)
+    gradsync.all_reduce(x, op="sum", group=group)
+    gathered = torch.empty(6 * size)
+    gradsync.all_gather(gathered, x, group=group)
+    return torch.equal(x, expected) and torch.equal(gathered, expected.repeat(size))
+
+
+def test_a_group_made_outside_torchs_registry(worlds):
+    assert all(worlds(2).run(a_group_made_by_hand))
+
+
 def timeouts_set_since(rank, size):
     """torch.distributed's _set_pg_timeout, as torchtitan sets it after a first step: gradsync's
     waits follow it, lowered or raised, as torch's collectives do."""
