@@ -350,6 +350,9 @@ def _engine_of(group, stale):
             engine = _engines.get(group)
         if engine is None and group in _broken:  # ... as they would a failed call's late messages
             raise RuntimeError(_broken[group])
+        if engine is None and _backend_name(group) == "fake":
+            raise ValueError("gradsync: the group's backend is torch's fake one (FakeProcessGroup, for dry runs), whose "
+                             "messages carry nothing; gradsync's calls cannot run on it")
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if _group_is_live(group):

@@ -896,6 +896,24 @@ def test_a_forked_child_all_reduces_and_exits(tmp_path):
     assert child.returncode == 0, child.stderr[-3000:]
 
 
+FAKE_BACKEND = """
+import pytest, torch, torch.distributed as dist, gradsync
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+dist.all_reduce(torch.ones(8))  # torch's collectives do nothing there
+for call in (lambda: gradsync.all_reduce(torch.ones(8)), lambda: gradsync.reduce_scatter(torch.ones(2), torch.ones(8))):
+    with pytest.raises(ValueError, match="the group's backend is torch's fake one"):
+        call()
+"""
+
+
+def test_the_fake_backend_is_refused_by_name(tmp_path):
+    # before: a segmentation fault (a group whose backend keeps no options), or ranks said to disagree
+    child = subprocess.run([sys.executable, "-c", FAKE_BACKEND], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+    assert child.returncode == 0, child.stderr[-3000:]
+
+
 def world_of_one(rank, size):
     x = torch.randn(3000)
     y = x.clone()

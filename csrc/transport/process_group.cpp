@@ -10,10 +10,13 @@ at::Tensor host_bytes(const void* data, int64_t bytes) {
 // was made (torch's collectives follow), while gloo's point-to-point waits keep the one the group's
 // connections were made with unless told.
 std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
+  constexpr std::chrono::milliseconds its_own(0);  // torch's kNoTimeout: a backend that does not say keeps its own
   try {
-    return group.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+    const auto backend = group.getBackend(c10::DeviceType::CPU);
+    const auto options = backend ? backend->getBackendOptions() : nullptr;
+    return options ? options->timeout : its_own;
   } catch (const std::exception&) {
-    return std::chrono::milliseconds(0);  // torch's kNoTimeout: a backend that does not say keeps its own
+    return its_own;
   }
 }
 }  // namespace
