@@ -430,7 +430,7 @@ class DataParallel(torch.nn.Module, Joinable):
     - ``device_ids`` and ``output_device`` are DDP's, for a module on one GPU:
       ``device_ids=[local_rank]`` must name the device the module is on (DDP does not check), and
       the forward's inputs are moved there as DDP moves them (the tensors in tuples, lists, dicts
-      and named tuples, copied on a side stream). ``output_device`` (default: that device) may name
+      and named tuples; those on another GPU copied on a side stream). ``output_device`` (default: that device) may name
       only that device too: the output stays where the module puts it, as under DDP, which ignores
       it. A CPU module takes neither (a ValueError, as from DDP); ``device_ids=[]`` is None.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
@@ -838,7 +838,7 @@ class DataParallel(torch.nn.Module, Joinable):
     @_eager_under_compile
     def _moved_to_device(self, args, kwargs):
         """The forward's inputs on the module's device, as DDP moves them where ``device_ids`` is given
-        (the tensors in tuples, lists, dicts and named tuples; copied on a side stream)."""
+        (torch's own helper: the tensors in tuples, lists, dicts and named tuples)."""
         moved_args, moved_kwargs = _to_kwargs(args, kwargs, self._device, self._copies_on_side_stream)
         return moved_args[0], moved_kwargs[0]
 

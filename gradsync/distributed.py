@@ -47,6 +47,7 @@ _engines = {}
 _stopping = {}  # group -> its engine, while shutdown() waits for its calls
 _to_stop = {}  # the groups whose engines the running shutdown() has yet to stop (an ordered set)
 _shutdowns = 0  # shutdown() calls running
+_shutting_down = []  # the threads running them (one entry per call)
 _engines_lock = threading.RLock()  # an RLock for its owner check (see _locked): never taken twice
 _stopped = threading.Condition(_engines_lock)  # notified as shutdown() lets go of each group
 _attach_locks = weakref.WeakKeyDictionary()  # group -> the lock of its NCCL communicator's bootstrap
@@ -293,11 +294,13 @@ def _locked():
     would wait forever, and going in would find the table half updated, so that call raises."""
     lock = _engines_lock
     if lock._is_owned():
-        raise RuntimeError("gradsync was called from a signal handler (or a finalizer) that interrupted gradsync's own "
-                           "bookkeeping on this thread; have the handler set a flag that the training loop reads, "
-                           "and call gradsync there")
+        raise RuntimeError(_REENTERED)
     with lock:
         yield
+
+
+_REENTERED = ("gradsync was called from a signal handler (or a finalizer) that interrupted gradsync's own bookkeeping "
+              "on this thread; have the handler set a flag that the training loop reads, and call gradsync there")
 
 
 def _engine(group, tensor):
@@ -308,11 +311,17 @@ def _engine(group, tensor):
         if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
             _C._release_engines([e for _, e in stale])
     if tensor.is_cuda and _uses_nccl(group):
+        if engine.nccl_device < 0 and not _group_is_live(group):
+            raise ValueError("gradsync: CUDA tensors over NCCL need a group of torch.distributed's registry (gradsync's "
+                             "NCCL communicator is bootstrapped through its collectives); a group made outside it takes "
+                             "CPU tensors")
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
             # per group, since the bootstrap is a collective that other groups' must not wait for
             with _locked():
-                attach_lock = _attach_locks.setdefault(group, threading.Lock())
+                attach_lock = _attach_locks.setdefault(group, threading.RLock())  # an RLock for its owner check
+            if attach_lock._is_owned():  # a handler run while this thread joins the group's communicator
+                raise RuntimeError(_REENTERED)
             with attach_lock:
                 if engine.nccl_device < 0:
                     _attach_nccl(engine, group, tensor.device)
@@ -346,6 +355,8 @@ def _engine_of(group, stale):
         # a call from another thread (or a callback's, once the engine's thread has ended, so that
         # nothing there waits for it) takes its turn after them
         while engine is None and group in _stopping:
+            if threading.get_ident() in _shutting_down:  # a handler run in this thread's shutdown(): it
+                raise RuntimeError(_REENTERED)  # would wait for the shutdown() it interrupted
             _stopped.wait()
             engine = _engines.get(group)
         if engine is None and group in _broken:  # ... as they would a failed call's late messages
@@ -762,12 +773,14 @@ def shutdown():
         with _locked():
             _shutdowns += 1
             counted = True
+            _shutting_down.append(threading.get_ident())
             _to_stop.update(dict.fromkeys(_engines))
         _stop_engines()
     finally:
         if counted:
             with _locked():
                 _shutdowns -= 1
+                _shutting_down.remove(threading.get_ident())
 
 
 def _stop_engines():
@@ -819,6 +832,7 @@ def _forget_engines_in_forked_child():
     _engines_lock, _attach_locks = threading.RLock(), weakref.WeakKeyDictionary()
     _stopped = threading.Condition(_engines_lock)
     _shutdowns = 0  # one running in another thread of the parent
+    _shutting_down.clear()
 
 
 _exiting = False

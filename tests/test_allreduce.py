@@ -133,6 +133,7 @@ def calls_from_a_signal_handler(rank, size):
         signal.setitimer(signal.ITIMER_REAL, pause.uniform(1e-4, 2e-3))
     previous = signal.signal(signal.SIGALRM, handler)
     t = torch.ones(8)
+    gradsync.all_reduce(t, op="sum")  # the group's engine, made under the lock (see below)
     try:
         signal.setitimer(signal.ITIMER_REAL, 1e-3)
         end = time.monotonic() + 3
@@ -148,7 +149,24 @@ def calls_from_a_signal_handler(rank, size):
             gradsync.all_reduce(t, group=group)
         gradsync.all_reduce(t)  # the default group's engine is there: nothing to wait for
     gradsync.all_reduce(t, group=group)
-    return len(sums), set(sums)
+    # ... as it does where it runs in this thread's shutdown(), which its call would wait for
+    sent = []
+
+    def signal_once_shutdown_runs(fut):  # on gradsync's thread, as shutdown() finishes the calls
+        if gradsync.distributed._shutdowns and not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGALRM))
+    signal.signal(signal.SIGALRM, lambda signum, frame: gradsync.all_reduce(torch.ones(8)))
+    try:
+        for _ in range(50):
+            gradsync.all_reduce(torch.randn(1 << 20), codec="fp8_e4m3", async_op=True).get_future().then(
+                signal_once_shutdown_runs)
+        with pytest.raises(RuntimeError, match="called from a signal handler .* that interrupted gradsync's own"):
+            gradsync.shutdown()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    gradsync.shutdown()
+    gradsync.all_reduce(t, op="sum")
+    return len(sums), set(sums) | {float(t.sum())}
 
 
 def test_a_signal_handler_can_call_gradsync(worlds):
