@@ -430,9 +430,10 @@ class DataParallel(torch.nn.Module, Joinable):
     - ``device_ids`` and ``output_device`` are DDP's, for a module on one GPU:
       ``device_ids=[local_rank]`` must name the device the module is on (DDP does not check), and
       the forward's inputs are moved there as DDP moves them (the tensors in tuples, lists, dicts
-      and named tuples; those on another GPU copied on a side stream). ``output_device`` (default: that device) may name
-      only that device too: the output stays where the module puts it, as under DDP, which ignores
-      it. A CPU module takes neither (a ValueError, as from DDP); ``device_ids=[]`` is None.
+      and named tuples; those on another GPU copied on a side stream). ``output_device``
+      (default: that device) may name only that device too: the output stays where the module
+      puts it, as under DDP, which ignores it. A CPU module takes neither (a ValueError, as from
+      DDP); ``device_ids=[]`` is None.
     - Trainable parameters (float32, float16 or bfloat16, with dense gradients) are split into
       buckets of ``bucket_cap_mb`` MiB of fp32 gradients, in reverse registration order (the order
       backward usually produces them; the first bucket is 1 MiB so that communication starts

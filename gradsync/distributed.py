@@ -312,9 +312,9 @@ def _engine(group, tensor):
             _C._release_engines([e for _, e in stale])
     if tensor.is_cuda and _uses_nccl(group):
         if engine.nccl_device < 0 and not _group_is_live(group):
-            raise ValueError("gradsync: CUDA tensors over NCCL need a group of torch.distributed's registry (gradsync's "
-                             "NCCL communicator is bootstrapped through its collectives); a group made outside it takes "
-                             "CPU tensors")
+            raise ValueError("gradsync: CUDA tensors over NCCL need a group of torch.distributed's registry "
+                             "(gradsync's NCCL communicator is bootstrapped through its collectives); a group made "
+                             "outside it takes CPU tensors")
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
             # per group, since the bootstrap is a collective that other groups' must not wait for
@@ -362,8 +362,8 @@ def _engine_of(group, stale):
         if engine is None and group in _broken:  # ... as they would a failed call's late messages
             raise RuntimeError(_broken[group])
         if engine is None and _backend_name(group) == "fake":
-            raise ValueError("gradsync: the group's backend is torch's fake one (FakeProcessGroup, for dry runs), whose "
-                             "messages carry nothing; gradsync's calls cannot run on it")
+            raise ValueError("gradsync: the group's backend is torch's fake one (FakeProcessGroup, for dry runs), "
+                             "whose messages carry nothing; gradsync's calls cannot run on it")
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if _group_is_live(group):
@@ -768,19 +768,20 @@ def shutdown():
         raise RuntimeError("gradsync.shutdown() cannot run on gradsync's communication thread (in a callback of an "
                            "all-reduce's future); call it from the thread that issued the calls")
     global _shutdowns
-    counted = False
-    try:  # a KeyboardInterrupt anywhere leaves the count as it found it
+    me, counted = threading.get_ident(), False
+    try:  # a KeyboardInterrupt anywhere leaves the count and the threads as it found them
         with _locked():
+            _shutting_down.append(me)
             _shutdowns += 1
             counted = True
-            _shutting_down.append(threading.get_ident())
             _to_stop.update(dict.fromkeys(_engines))
         _stop_engines()
     finally:
-        if counted:
+        if counted or me in _shutting_down:
             with _locked():
-                _shutdowns -= 1
-                _shutting_down.remove(threading.get_ident())
+                _shutdowns -= counted
+                if me in _shutting_down:
+                    _shutting_down.remove(me)
 
 
 def _stop_engines():

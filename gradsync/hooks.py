@@ -484,8 +484,9 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     all-gather the shards with gradsync's ring. Every rank ends with the same bits.
 
     Against gradsync's flat ring over all n ranks: only the c-1 hops between nodes (c nodes) round
-    to the codec, not n-1 (one node rounds nothing), and the host issues 2(c-1) hops per slice across nodes instead of
-    2(n-1) — the flat GPU ring's limit past a few nodes (``python -m gradsync.model``). The bytes
+    to the codec, not n-1 (one node rounds nothing), and the host issues 2(c-1) hops per slice
+    across nodes instead of 2(n-1) — the flat GPU ring's limit past a few nodes
+    (``python -m gradsync.model``). The bytes
     each link carries are those of NCCL's own multi-node rings, less the codec's saving. The three
     steps are issued at once, in bucket order, each waiting on gradsync's threads for the one before,
     so every rank runs them in the same order; they travel through gradsync's own transport, never
