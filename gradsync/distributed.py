@@ -311,10 +311,6 @@ def _engine(group, tensor):
         if stale:  # on a thread of gradsync's own: a peer that is gone can hold it up
             _C._release_engines([e for _, e in stale])
     if tensor.is_cuda and _uses_nccl(group):
-        if engine.nccl_device < 0 and not _group_is_live(group):
-            raise ValueError("gradsync: CUDA tensors over NCCL need a group of torch.distributed's registry "
-                             "(gradsync's NCCL communicator is bootstrapped through its collectives); a group made "
-                             "outside it takes CPU tensors")
         if engine.nccl_device < 0:
             # one communicator per group, even when two threads make its first CUDA call at once; a lock
             # per group, since the bootstrap is a collective that other groups' must not wait for
@@ -437,6 +433,10 @@ def _attach_nccl(engine, group, device):
     the other ranks through the group itself, then every rank joins (ncclCommInitRank)."""
     if not _C.build_info()["cuda"]:
         raise RuntimeError("gradsync was built without CUDA: it cannot all-reduce CUDA tensors")
+    if not _group_is_live(group):  # the unique id travels through torch.distributed's collectives
+        raise ValueError("gradsync: CUDA tensors over NCCL need a group of torch.distributed's registry "
+                         "(gradsync's NCCL communicator is bootstrapped through its collectives); a group made "
+                         "outside it takes CPU tensors")
     if os.environ.get("NCCL_COMM_BLOCKING", "").strip() == "1":
         warnings.warn("NCCL_COMM_BLOCKING=1 makes gradsync's NCCL communicator blocking: a peer that dies before "
                       "joining it then makes the others wait forever instead of raising after the group's timeout",
