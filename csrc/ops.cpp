@@ -83,9 +83,16 @@ void check_dense_cpu_or_cuda(const at::Tensor& t) {  // whose data_ptr() the ker
                     "since the tensor was made)");
 }
 
-void check_scale(double scale) {  // ops.py checks it too, except for a scale traced by torch.compile
-  TORCH_CHECK(std::isfinite(static_cast<float>(scale)), "gradsync: scale must be finite in float32 (as the kernels "
-              "apply it), got ", scale);
+// A Scalar, not a float, in the schemas: torch.compile passes a symbolic scale to a Scalar as it is,
+// but specializes a float on its value, recompiling for every new one.
+float scale_of(const at::Scalar& scale) {  // ops.py checks it too, except for a scale traced by torch.compile
+  TORCH_CHECK_TYPE(!scale.isComplex() && !scale.isBoolean(), "gradsync: scale must be a real number, got ",
+                   scale.type());
+  const double value = scale.toDouble();
+  const double rounds_to_inf = std::ldexp(2.0 - std::ldexp(1.0, -24), 127);  // float32's max plus half an ulp
+  TORCH_CHECK(std::fabs(value) < rounds_to_inf, "gradsync: scale must be finite in float32 (as the kernels apply "
+              "it), got ", value);
+  return static_cast<float>(value);
 }
 
 void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
@@ -94,14 +101,13 @@ void check_same_device(const at::Tensor& flat, const at::Tensor& t) {
               ", got ", t.device());
 }
 
-void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, double scale_d,
+void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, const at::Scalar& scale_arg,
                        Direction direction) {
   check_dense_cpu_or_cuda(flat);
   TORCH_CHECK(flat.is_contiguous(), "gradsync: the flat buffer must be contiguous");
   const DType flat_dtype = to_dtype(flat.scalar_type());
   const int fsize = dtype_size(flat_dtype);
-  check_scale(scale_d);
-  const float scale = static_cast<float>(scale_d);
+  const float scale = scale_of(scale_arg);
   std::vector<Segment> segments(tensors.size());
   std::vector<at::Tensor> keep_alive;                             // contiguous copies of exotic layouts
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (user tensor, contiguous stand-in)
@@ -155,11 +161,11 @@ void multi_tensor_copy(const at::Tensor& flat, at::TensorList tensors, double sc
   for (auto& [user, stand_in] : write_back) user.copy_(stand_in);
 }
 
-void flatten_into(at::TensorList tensors, const at::Tensor& flat, double scale) {
+void flatten_into(at::TensorList tensors, const at::Tensor& flat, const at::Scalar& scale) {
   multi_tensor_copy(flat, tensors, scale, Direction::kToFlat);
 }
 
-void unflatten_from(const at::Tensor& flat, at::TensorList tensors, double scale) {
+void unflatten_from(const at::Tensor& flat, at::TensorList tensors, const at::Scalar& scale) {
   for (const at::Tensor& t : tensors) {
     for (int64_t d = 0; d < t.dim() && t.numel() > 1; ++d) {
       TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "gradsync: cannot write into an expanded tensor");
@@ -185,12 +191,11 @@ void check_payload(const at::Tensor& payload, int64_t n, const at::Tensor& x) {
               "gradsync: an fp8 payload on CUDA must start at a 4-byte aligned address");
 }
 
-void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, double scale_d) {
+void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, const at::Scalar& scale_arg) {
   const Fp8Format format = to_fp8_format(codec);
   const int64_t n = x.numel();
   check_payload(payload, n, x);
-  check_scale(scale_d);
-  const float scale = static_cast<float>(scale_d);
+  const float scale = scale_of(scale_arg);
   auto* out = static_cast<uint8_t*>(payload.data_ptr());
   if (x.is_cuda()) {
 #ifdef GRADSYNC_WITH_CUDA
@@ -209,12 +214,11 @@ void fp8_encode(const at::Tensor& x, const at::Tensor& payload, int64_t codec, d
   });
 }
 
-void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec, double scale_d) {
+void fp8_decode(const at::Tensor& payload, const at::Tensor& out, int64_t codec, const at::Scalar& scale_arg) {
   const Fp8Format format = to_fp8_format(codec);
   const int64_t n = out.numel();
   check_payload(payload, n, out);
-  check_scale(scale_d);
-  const float scale = static_cast<float>(scale_d);
+  const float scale = scale_of(scale_arg);
   const auto* in = static_cast<const uint8_t*>(payload.data_ptr());
   if (out.is_cuda()) {
 #ifdef GRADSYNC_WITH_CUDA
@@ -356,10 +360,10 @@ TORCH_LIBRARY(gradsync, m) {
 #else
   const std::vector<at::Tag> host_table = {};
 #endif
-  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, float scale) -> ()", host_table);
-  m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()", host_table);
-  m.def("fp8_encode(Tensor x, Tensor(a!) payload, int codec, float scale) -> ()");
-  m.def("fp8_decode(Tensor payload, Tensor(a!) out, int codec, float scale) -> ()");
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out, Scalar scale) -> ()", host_table);
+  m.def("unflatten_from(Tensor flat, Tensor(a!)[] tensors, Scalar scale) -> ()", host_table);
+  m.def("fp8_encode(Tensor x, Tensor(a!) payload, int codec, Scalar scale) -> ()");
+  m.def("fp8_decode(Tensor payload, Tensor(a!) out, int codec, Scalar scale) -> ()");
 }
 
 // CUDA too in a CPU build, where the kernels themselves say that gradsync was built without CUDA.

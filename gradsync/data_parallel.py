@@ -577,6 +577,9 @@ class DataParallel(torch.nn.Module, Joinable):
         if len(devices) > 1:
             raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "
                              f"({', '.join(devices)}); move the module to one device first")
+        if devices == ["meta"]:  # no values to broadcast: DDP fails on them deep inside its first broadcast
+            raise ValueError("gradsync.DataParallel: the module is on the meta device (its parameters hold no "
+                             "values); materialize them first (module.to_empty(device=...) and initialize them)")
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, params[0].device)
         self._copies_on_side_stream = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"  # as DDP's
         self.module = module
@@ -962,6 +965,8 @@ class DataParallel(torch.nn.Module, Joinable):
         False turns it off. Another collective in the loop (SyncBatchNorm, a metric's all-reduce)
         is not shadowed: use ``throw_on_early_termination=True`` there.
         """
+        enable = _check_flag(enable, "enable")
+        throw_on_early_termination = _check_flag(throw_on_early_termination, "throw_on_early_termination")
         return _Join([self], enable, throw_on_early_termination,
                      divide_by_initial_world_size=divide_by_initial_world_size)
 

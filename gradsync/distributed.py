@@ -134,6 +134,8 @@ def _check_scale(value, name):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a number or a one-element real tensor, got a {value.dtype} tensor of "
                              f"shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no value")
         value = value.item()
     narrowed = 0.0
     if not isinstance(value, bool) and isinstance(value, numbers.Real):
@@ -588,9 +590,7 @@ def _refusal_device(backend, nccl_device, tensor_device):
 def _check_tensor(t, name, caller):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested or t.layout != torch.strided:
-        raise ValueError(f"{name} is a {'nested' if t.is_nested else str(t.layout)} tensor; gradsync.{caller} takes "
-                         "dense (strided) tensors")
+    _check_strided(t, name, caller)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; gradsync.{caller} takes float32, float16 or bfloat16")
     if not t.is_contiguous():
@@ -598,6 +598,12 @@ def _check_tensor(t, name, caller):
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; gradsync.{caller} takes CPU or CUDA tensors")
     _check_memory(t, name, "the ring")  # a rank passing a negative view would sum what is stored
+
+
+def _check_strided(t, name, caller):
+    if t.is_nested or t.layout != torch.strided:
+        raise ValueError(f"{name} is a {'nested' if t.is_nested else str(t.layout)} tensor; gradsync.{caller} takes "
+                         "dense (strided) tensors")
 
 
 def _check_not_capturing(t, caller):

@@ -260,6 +260,8 @@ def _fsdp_modules(module: torch.nn.Module, caller: str):
     """The FSDP2 modules in ``module`` (itself included) that manage parameters."""
     from torch.distributed.fsdp import FSDPModule
 
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"gradsync.fsdp.{caller}: module must be a torch.nn.Module, got {type(module).__name__}")
     found = []
     for name, m in module.named_modules():
         if isinstance(m, FSDPModule):

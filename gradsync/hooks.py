@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .distributed import (_ALL_GATHER, _ALL_REDUCE, _REDUCE_SCATTER, _all_gather_after, _check_backend, _check_flag,
                           _check_member, _check_nccl_device, _check_not_capturing, _check_residual, _check_scale,
-                          _check_tensor, _issue, _issue_reduce_scatter, _refuse, _refused_on_error,
+                          _check_strided, _check_tensor, _issue, _issue_reduce_scatter, _refuse, _refused_on_error,
                           _resolve_group, _timeout_of, all_reduce, resolve_scales)
 from .ops import _CODEC_IDS, _check_codec, _check_own_elements, _check_writable, _eager_under_compile
 
@@ -562,10 +562,14 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
             raise TypeError(f"hierarchical_average: tensor must be a torch.Tensor, got {type(tensor).__name__}")
         _check_codec(codec)
         check_call = _check_flag(check_call, "check_call")
+        _check_strided(tensor, "tensor", "hooks.hierarchical_average")
         _check_writable(tensor, "tensor")  # written in place, behind autograd's back
         _check_own_elements(tensor, "tensor")
         per_node = local_group.size()
         shard_numel = -(-tensor.numel() // per_node)
+        if isinstance(residual, torch.Tensor) and residual.numel() != shard_numel:
+            raise ValueError(f"residual must hold ceil(tensor.numel() / local_group.size()) = ceil({tensor.numel()} / "
+                             f"{per_node}) = {shard_numel} elements, got {residual.numel()}")
         flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
         padded = flat if shard_numel * per_node == flat.numel() else \
             torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])

@@ -1418,6 +1418,8 @@ def test_scales():
         with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a finite, non-zero number"):
             resolve_scales("avg", 4, **kwargs)
     assert resolve_scales("sum", 4, prescale=fractions.Fraction(1, 4), postscale=4) == (0.25, 4.0)
+    with pytest.raises(ValueError, match="prescale is a tensor on the meta device, which holds no value"):
+        resolve_scales("sum", 4, prescale=torch.tensor(0.5, device="meta"))
     # a pre-multiplied sum (FSDP2's after set_gradient_divide_factor), its factor a number or a tensor
     premul = dist._make_nccl_premul_sum  # ReduceOp.PREMUL_SUM(factor) on recent torch
     assert resolve_scales(premul(0.25), 8) == (0.25, 1.0)

@@ -149,6 +149,36 @@ def test_compiled_out_arguments_write_the_callers_tensors():
         assert same_bits(payload, gradsync.compress(flat, "fp8_e5m2"))
 
 
+def test_a_scale_computed_in_compiled_code_is_traced_once_not_once_per_value():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(15)
+    graphs = []
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=count_graphs, fullgraph=True, dynamic=True)
+    def average(tensors, tokens, codec):
+        flat = gradsync.flatten(tensors, dtype=torch.float32, scale=1.0 / tokens)
+        payload = gradsync.compress(flat, codec, scale=2.0 / tokens)
+        restored = gradsync.decompress(payload, codec, flat.numel(), scale=tokens / 2.0)
+        gradsync.unflatten(restored, tensors, scale=tokens / 3.0)
+        return payload
+
+    for codec in ("fp16", "fp8_e4m3"):
+        for tokens in range(100, 112):
+            tensors = mixed_list(g)
+            expected = [t.clone() for t in tensors]
+            payload = average(tensors, tokens, codec)
+            flat = gradsync.flatten(expected, dtype=torch.float32, scale=1.0 / tokens)
+            assert same_bits(payload, gradsync.compress(flat, codec, scale=2.0 / tokens))
+            gradsync.unflatten(gradsync.decompress(payload, codec, flat.numel(), scale=tokens / 2.0), expected,
+                               scale=tokens / 3.0)
+            assert all(same_bits(a, b) for a, b in zip(tensors, expected)), (codec, tokens)
+    assert len(graphs) <= 4, f"{len(graphs)} graphs for 2 codecs and 12 scales each"
+
+
 def test_compiled_unflatten_into_strided_tensors_with_dynamic_shapes():
     # the overlap check of a strided destination compares its symbolic strides (sorting them failed)
     torch._dynamo.reset()

@@ -1,4 +1,5 @@
 """Every bad input raises a TypeError/ValueError that names the offending argument."""
+import math
 import random
 
 import pytest
@@ -153,6 +154,14 @@ def test_the_operators_guard_the_kernels_too():
             kernels.flatten_into([x], torch.empty(10), scale)
         with pytest.raises(RuntimeError, match="scale must be finite"):
             kernels.fp8_decode(torch.zeros(20, dtype=torch.uint8), torch.empty(10), 3, scale)
+    rounds_to_inf = 2.0**128 - 2.0**103  # float32's largest value plus half an ulp: the ties go up
+    kernels.flatten_into([x], torch.empty(10), math.nextafter(rounds_to_inf, 0))  # rounds to the largest value
+    for scale in (rounds_to_inf, -rounds_to_inf, 2.0**200):
+        with pytest.raises(RuntimeError, match="scale must be finite"):
+            kernels.flatten_into([x], torch.empty(10), scale)
+    for scale in (True, 1j):
+        with pytest.raises(TypeError, match="scale must be a real number"):
+            kernels.fp8_encode(x, torch.empty(20, dtype=torch.uint8), 3, scale)
     with pytest.raises(NotImplementedError, match="SparseCPU"):  # registered for dense CPU and CUDA only
         kernels.flatten_into([x.to_sparse()], torch.empty(10), 1.0)
     with pytest.raises(RuntimeError, match="instruction set 'sse9'"):

@@ -565,9 +565,16 @@ def groups_and_states_misuse(rank, size):
     # written in place: as the collectives, refused before anything is issued
     for tensor, words in [(torch.ones(1).expand(4), "tensor is an expanded view"),
                           (torch.ones(5, requires_grad=True), "tensor requires grad"),
-                          (inference, "tensor is an inference tensor")]:
+                          (inference, "tensor is an inference tensor"),
+                          (torch.ones(4).to_sparse(), "tensor is a torch.sparse_coo tensor"),
+                          (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+                           "tensor is a nested tensor")]:
         with pytest.raises(ValueError, match=words):
             hooks.hierarchical_average(tensor, state.local_group, state.cross_group, "none")
+    with pytest.raises(ValueError, match=r"residual must hold ceil\(tensor.numel\(\) / local_group.size\(\)\) = "
+                                         r"ceil\(5 / 2\) = 3 elements, got 5"):
+        hooks.hierarchical_average(torch.ones(5), state.local_group, state.cross_group, "fp8_e4m3",
+                                   residual=torch.zeros(5))
     # one group of this rank alone for both: the all-reduce across "nodes" would run from a callback
     # of that group's own future (on its thread, unless the reduce-scatter was done in time)
     with pytest.raises(ValueError, match="must be two groups"):
@@ -2145,6 +2152,8 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2).double()), TypeError, "parameter 'weight' is torch.float64"),
     (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
      ValueError, "on several devices (cpu, meta)"),
+    (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2, device="meta")), ValueError,
+     "the module is on the meta device (its parameters hold no values)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[0]), ValueError,
      "device_ids and output_device are for a module on one GPU; this one is on cpu (device_ids=[0])"),

@@ -179,6 +179,22 @@ def test_misuse_under_join_raises_where_it_happens_and_times_out_elsewhere(case)
     assert errors[0] is not None
 
 
+def join_flags_refused(rank, size):
+    model = wrap(BatchNormNet(), "dp:none")
+    refused = []
+    for flag in ("enable", "throw_on_early_termination", "divide_by_initial_world_size"):
+        with pytest.raises(TypeError) as info:
+            model.join(**{flag: "no"})  # a truthy string would turn on what it names
+        refused.append(str(info.value))
+    return refused
+
+
+def test_join_flags_must_be_true_or_false(worlds):
+    [refused] = worlds(1).run(join_flags_refused)
+    assert refused == [f"{flag} must be True or False, got 'no'"
+                       for flag in ("enable", "throw_on_early_termination", "divide_by_initial_world_size")]
+
+
 def test_join_raising(worlds):
     results = worlds(3).run(terminate_early)
     assert [steps for steps, _ in results] == [2, 2, 2]

@@ -451,6 +451,10 @@ def hybrid_misuse(rank, size):
         fsdp.compress_replica_all_reduce(model, mesh["replicate"].get_group())
     with pytest.raises(ValueError, match="no FSDP2 module"):
         fsdp.compress_replica_all_reduce(torch.nn.Linear(2, 2), mesh["replicate"].get_group())
+    with pytest.raises(TypeError, match="compress_reduce_scatter: module must be a torch.nn.Module, got str"):
+        fsdp.compress_reduce_scatter("model")
+    with pytest.raises(TypeError, match="compress_replica_all_reduce: module must be a torch.nn.Module, got dict"):
+        fsdp.compress_replica_all_reduce({}, mesh["replicate"].get_group())
     with pytest.raises(ValueError, match="unknown codec"):
         fsdp.ReplicaAllReduce(mesh["replicate"].get_group(), "int4")
     return True
