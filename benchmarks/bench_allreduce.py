@@ -191,7 +191,17 @@ def nice_gloo_loops(niceness):
             count += 1
         except (FileNotFoundError, ProcessLookupError):  # a thread that has just ended
             pass
+        except PermissionError:
+            sys.exit(f"--gloo-loop-nice {niceness}: lowering a thread's niceness below its process's needs root "
+                     "(CAP_SYS_NICE)")
     return count
+
+
+def niceness(text):
+    value = int(text)
+    if not -20 <= value <= 19:  # the kernel would clamp it silently, and the JSON record the wrong one
+        raise argparse.ArgumentTypeError(f"a niceness is -20 to 19, got {value}")
+    return value
 
 
 def relative_error(x, reference, group=None):
@@ -220,7 +230,8 @@ def bench(args, device, size_done):
         for name, (fn, _) in impls.items():
             x.copy_(original)
             fn(x)  # warm-up: workspaces, connections
-            errors[name] = relative_error(x, reference)
+            # error feedback pays over steps, not in one call: its first call is the codec's own ("-")
+            errors[name] = None if name.endswith("+ef") else relative_error(x, reference)
         # The implementations take turns round by round, so that a slow spell of the machine (here a
         # second or so in which a rank waits for a core more than usual) falls on all of them.
         for calls in round_sizes(iters, args.rounds):
@@ -333,8 +344,9 @@ def main():
     parser.add_argument("--feedback", action="store_true",
                         help="also time every compressing codec with error feedback (+ef: a residual kept across calls)")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table at n = 2, 4, 8 instead")
-    parser.add_argument("--gloo-loop-nice", type=int, default=None, metavar="N",
-                        help="run gloo's TCP event-loop threads at niceness N (a diagnostic: see nice_gloo_loops)")
+    parser.add_argument("--gloo-loop-nice", type=niceness, default=None, metavar="N",
+                        help="run gloo's TCP event-loop threads at niceness N, -20 to 19 (a diagnostic: see "
+                             "nice_gloo_loops)")
     parser.add_argument("--json", help="write the rows as JSON here (rank 0)")
     parser.add_argument("--plot", help="write a PNG of busbw vs size here (rank 0)")
     args = parser.parse_args()
@@ -349,6 +361,11 @@ def main():
                      f"got {args.min_bytes} and {args.max_bytes}")
     if args.impls and args.accuracy:
         parser.error("--impls selects timed rows; --accuracy measures every implementation")
+    timed_only = [option for option in ("min_bytes", "max_bytes", "step", "budget_bytes", "max_iters", "rounds",
+                                        "feedback", "gloo_loop_nice") if getattr(args, option) != parser.get_default(option)]
+    if args.accuracy and timed_only:
+        parser.error(f"--accuracy measures 1M elements per rank, every codec once; "
+                     f"{', '.join('--' + o.replace('_', '-') for o in timed_only)} shape the timed table only")
     if args.impls:
         names = list(implementations(2, None, args.feedback, 1, torch.device(args.device)))  # every name there is
         if not any(s in name for name in names for s in args.impls):
@@ -367,6 +384,18 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.set_num_threads(1)
     n, rank = dist.get_world_size(), dist.get_rank()
+    if args.accuracy and n < 2:
+        sys.exit("--accuracy compares groups of 2, 4 and 8 ranks: start at least 2 (torchrun --nproc-per-node 2)")
+    if args.impls and not args.accuracy:  # rows that exist only at some sizes ("ring", "unchecked")
+        names, size = set(), args.min_bytes
+        while size <= args.max_bytes:
+            names |= set(implementations(n, None, args.feedback, size // 4, device))
+            size *= args.step
+        if not any(s in name for name in names if name != "torch fp32" for s in args.impls):
+            sys.exit(f"--impls {' '.join(args.impls)}: no such row at {n} ranks from {common.format_bytes(args.min_bytes)}"
+                     f" to {common.format_bytes(args.max_bytes)} (the ring and unchecked rows exist for CPU buffers that "
+                     f"take gradsync's direct exchange: at most {model.DIRECT_EXCHANGE_RANKS} ranks, at most "
+                     f"{common.format_bytes(gradsync.distributed.DIRECT_BYTES)} per rank on the wire)")
     if args.gloo_loop_nice is not None:
         dist.barrier()  # the default group's pairs and their loop threads exist
         if nice_gloo_loops(args.gloo_loop_nice) == 0:

@@ -192,8 +192,10 @@ def main():
         compute, comm = medians["compute only (no_sync)"], medians["communication only (gradsync fp16)"]
         hook = medians["gradsync fp16 hook"]
         hidden = (compute + comm - hook) / min(compute, comm)
+        hidden_text = f"{100 * hidden:.0f}% of the shorter one hidden" if hidden >= 0 else \
+            f"nothing hidden: {hook - compute - comm:.0f} ms more than the two apart"
         print(f"compute {compute:.0f} ms + communication {comm:.0f} ms = {compute + comm:.0f} ms; gradsync fp16 hook "
-              f"step {hook:.0f} ms ({100 * max(0.0, hidden):.0f}% of the shorter one hidden)")
+              f"step {hook:.0f} ms ({hidden_text})")
         print(f"overlap timeline (gradsync fp16 hook): {timeline[0]} of {timeline[1]} buckets finished their "
               f"all-reduce while backward was still computing; {timeline[2]:.0f} ms of communication ran during backward")
         if args.json:

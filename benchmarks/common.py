@@ -113,10 +113,14 @@ KERNEL_COLUMNS = [("case", "case", 14, str), ("op", "op", 32, str), ("count", "c
                   ("speedup", "speedup", 9, ratio), ("error", "error", 10, sci)]
 
 
-def check_output_folders(parser, args, *options):
-    """A usage error now, not after the run: the folder of each output file given must exist."""
+def check_output_folders(parser, args, *options, prefix=False):
+    """A usage error now, not after the run: each output given names a file (``prefix``: the start of
+    the files' names) in a folder that exists."""
     for option in options:
         path = getattr(args, option.lstrip("-").replace("-", "_"))
+        if path and (path.endswith(os.sep) or os.path.isdir(path)):
+            parser.error(f"{option} {path}: a folder; give {'the start of a file name' if prefix else 'a file name'} "
+                         f"in it ({os.path.join(path, 'results')}{'' if prefix else '.json'})")
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             parser.error(f"{option} {path}: the folder {folder} does not exist")

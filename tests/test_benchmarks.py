@@ -88,6 +88,8 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
         # the compute-only and communication-only rows are parts of a step: no step speedup
         assert (r["speedup"] is None) == ("only" in r["mode"]) and (r["vs_torch_fp16"] is None) == ("only" in r["mode"])
     assert "overlap timeline" in table
+    hidden = report["meta"]["overlap_hidden"]  # the line says what the JSON holds, a step slower than its parts too
+    assert (f"({100 * hidden:.0f}% of the shorter one hidden)" if hidden >= 0 else "(nothing hidden: ") in table
     # "communication only" sends the buckets the hook sent, one call each, all the parameters
     buckets = report["meta"]["communication_only_buckets"]
     assert len(buckets) == report["meta"]["timeline"][1] and sum(buckets) == report["meta"]["params"]
@@ -95,7 +97,7 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
 
 def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
     table, report = run_ranks(3, "bench_allreduce.py", ["--min-bytes", "4K", "--max-bytes", "256K", "--step", "8",
-                                                        "--max-iters", "4"], tmp_path)
+                                                        "--max-iters", "4", "--feedback"], tmp_path)
     assert report["meta"]["ranks"] == 3
     rows = {(r["bytes"], r["impl"]): r for r in report["rows"]}
     assert {size for size, _ in rows} == {4096, 32768, 262144}
@@ -115,13 +117,30 @@ def test_the_all_reduce_benchmark_reports_consistent_rows(tmp_path):
         assert r["count"] == size // 4 and r["time_ms"] > 0
         assert abs(r["algbw"] - size / (r["time_ms"] * 1e6)) <= 1e-9 * r["algbw"], r
         assert abs(r["busbw"] - r["algbw"] * 4 / 3) <= 1e-9 * r["busbw"], r  # 2(n-1)/n
+        if impl.endswith("+ef"):  # its first call, which the column would show, is the codec's own
+            assert r["error"] is None and r["wire_bytes"] == rows[(size, impl[:-3])]["wire_bytes"], r
         if impl in expected:
             wire, bound = expected[impl]
             assert r["wire_bytes"] == int(r["count"] * wire), r
             assert 0 < r["error"] <= bound, r  # every sum rounds somewhere
         if impl != "torch fp32":
             assert abs(r["speedup"] - rows[(size, "torch fp32")]["time_ms"] / r["time_ms"]) <= 1e-9 * r["speedup"], r
-    assert {impl for _, impl in rows} >= set(expected)
+    assert {impl for _, impl in rows} >= set(expected) | {f"{c}+ef" for c in codecs if c != "gradsync none"}
+
+
+def failed_run(ranks, args, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), os.path.join(BENCH, "bench_allreduce.py"), *args], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stderr
+
+
+def test_the_all_reduce_benchmark_refuses_what_the_world_cannot_measure(tmp_path):
+    assert "--accuracy compares groups of 2, 4 and 8 ranks: start at least 2" in failed_run(1, ["--accuracy"], tmp_path)
+    # the rows beside the direct exchange exist only where it is taken (not at one rank, nor at 1 MiB)
+    assert "--impls ring: no such row at 1 ranks from 4.0 KiB to 16.0 KiB" in \
+        failed_run(1, ["--impls", "ring", "--min-bytes", "4K", "--max-bytes", "16K"], tmp_path)
 
 
 def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
@@ -183,6 +202,15 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     ("bench_ddp.py", ["--json", "missing/d.json"], "--json missing/d.json: the folder"),
     ("bench_nccl_hop.py", ["--json", "missing/h.json"], "--json missing/h.json: the folder"),
     (os.path.join("netem", "report.py"), ["--out", "missing/r", "rate-1gbit.json"], "--out missing/r: the folder"),
+    # a folder where a file is meant: refused before the run, not a traceback after it (or hidden files)
+    ("bench_allreduce.py", ["--json", "."], "--json .: a folder; give a file name in it (./results.json)"),
+    ("bench_kernels.py", ["--json", "out/"], "--json out/: a folder"),
+    ("bench_ddp.py", ["--json", os.sep], f"--json {os.sep}: a folder"),
+    (os.path.join("netem", "report.py"), ["--out", "rep/", "rate-1gbit.json"],
+     "--out rep/: a folder; give the start of a file name in it (rep/results)"),
+    ("bench_allreduce.py", ["--gloo-loop-nice", "100"], "a niceness is -20 to 19, got 100"),
+    ("bench_allreduce.py", ["--accuracy", "--feedback", "--max-bytes", "4K"],
+     "--max-bytes, --feedback shape the timed table only"),
 ])
 def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,

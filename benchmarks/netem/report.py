@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--out", required=True, help="writes PREFIX.json, PREFIX.md and PREFIX.png")
     parser.add_argument("runs", nargs="+", help="rate-<rate>.json files written by run.sh")
     args = parser.parse_args()
-    common.check_output_folders(parser, args, "--out")
+    common.check_output_folders(parser, args, "--out", prefix=True)
     for path in args.runs:
         name = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))
         if not name:
