@@ -29,6 +29,10 @@ if int(setuptools.__version__.split(".")[0]) < 77:
 
 # `setup.py sdist` (also what `python -m build --sdist` runs) only packs the sources: no torch needed
 MAKING_SDIST = [a for a in sys.argv[1:] if not a.startswith("-")][:1] == ["sdist"]
+BUILDS = {"build", "build_ext", "build_py", "bdist", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
+if MAKING_SDIST and BUILDS & set(sys.argv[2:]):  # the sdist's setup() has no extension to build
+    fail("make the sdist and build in two commands (setup.py sdist; pip wheel --no-build-isolation --no-deps . -w "
+         "dist)")
 FROM_SDIST = (ROOT / "PKG-INFO").exists()  # an unpacked sdist: no .git, and setuptools wrote PKG-INFO
 
 if not MAKING_SDIST:
@@ -201,7 +205,9 @@ def main():
         packages=packages,
         ext_modules=[ext],
         cmdclass={"build_ext": BuildExt},
-        install_requires=[f"torch=={torch_minor}.*"],
+        # built from an sdist, pip caches the wheel by the sdist alone and installs it again under
+        # another torch: a pin would make pip replace that torch, where gradsync's import says what to do
+        install_requires=["torch" if FROM_SDIST else f"torch=={torch_minor}.*"],
     )
 
 

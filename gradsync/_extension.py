@@ -4,11 +4,22 @@ A C++ extension is bound to the torch it was compiled against; under another tor
 undefined-symbol trace, so the mismatch is reported in terms a user can act on instead.
 """
 import importlib
+import os
 
 import torch
 
-REBUILD_HINT = ("reinstall gradsync against the running torch: pip install --no-build-isolation --no-deps "
-                "--force-reinstall . (-e . for an editable install)")
+
+def rebuild_hint(package_dir):
+    """What rebuilds the gradsync at ``package_dir`` for the running torch."""
+    root = os.path.dirname(package_dir)
+    if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc")):
+        # a source folder's own build (pip install -e) comes first on the path there, whatever is installed
+        return (f"this is the build inside the source folder {root}, which shadows any installed gradsync there: "
+                f"rebuild it with pip install --no-build-isolation --no-deps -e {root}, or import gradsync from "
+                "another folder")
+    return ("reinstall it against the running torch: pip install --no-build-isolation --no-deps --force-reinstall "
+            "--no-cache-dir gradsync (or . in its source folder; pip's cache may hold a wheel built for another "
+            "torch)")
 
 
 def _minor(version):
@@ -32,11 +43,13 @@ def load():
     except ImportError:
         raise ImportError("gradsync is not built: install it with pip install --no-build-isolation . "
                           "(or import it from outside its source folder)") from None
+    package_dir = os.path.dirname(os.path.abspath(__file__))  # its _build_info and _C beside it
     reason = incompatibility(build_info.torch_version, build_info.cuda_version, torch.__version__, torch.version.cuda)
     if reason:
-        raise ImportError(f"gradsync {build_info.version} cannot be loaded: {reason}; {REBUILD_HINT}")
+        raise ImportError(f"gradsync {build_info.version} at {package_dir} cannot be loaded: {reason}; "
+                          f"{rebuild_hint(package_dir)}")
     try:
         return build_info, importlib.import_module("gradsync._C")
     except ImportError as e:
-        raise ImportError(f"gradsync {build_info.version} (built for torch {build_info.torch_version}) failed to "
-                          f"load under torch {torch.__version__}: {e}; {REBUILD_HINT}") from e
+        raise ImportError(f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version}) "
+                          f"failed to load under torch {torch.__version__}: {e}; {rebuild_hint(package_dir)}") from e

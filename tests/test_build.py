@@ -20,11 +20,14 @@ def run_python(code, cwd):
 
 def test_version_carries_the_build_flavour():
     major, minor = torch.__version__.split(".")[:2]
+    requires = [r for r in importlib.metadata.requires("gradsync") if "extra ==" not in r]
     if getattr(_build_info, "from_sdist", False):  # a build keeps its sdist's version, which has no flavour
         assert re.fullmatch(r"\d+\.\d+\.\d+", gradsync.__version__)
+        assert requires == ["torch"]  # pip reuses it under another torch, which a pin would make pip replace
     else:
         assert re.fullmatch(r"\d+\.\d+\.\d+\+(cpu|cu\d+)torch\d+\.\d+", gradsync.__version__)
         assert gradsync.__version__.endswith(f"{_build_info.flavour}torch{major}.{minor}")
+        assert requires == [f"torch=={major}.{minor}.*"]
     assert (_build_info.flavour == "cpu") == (gradsync._C.build_info()["cuda"] is None)
 
 
@@ -105,7 +108,20 @@ def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
     result = run_python(code, tmp_path)
     assert "IMPORTERROR" in result.stdout, result.stdout + result.stderr
     assert "built for torch 9.9.0+cu130" in result.stdout and torch.__version__ in result.stdout
-    assert "pip install --no-build-isolation" in result.stdout
+    package_dir = os.path.dirname(gradsync.__file__)
+    assert f"at {package_dir} cannot be loaded" in result.stdout
+    if (Path(package_dir).parent / "csrc").is_dir():  # an editable install: rebuild the source folder's build
+        assert f"pip install --no-build-isolation --no-deps -e {Path(package_dir).parent}" in result.stdout
+    else:  # not the wheel pip cached for another torch
+        assert "pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir gradsync" in result.stdout
+
+
+def test_an_sdist_and_a_build_in_one_setup_call_are_refused(tmp_path):
+    # the sdist's setup() builds nothing: a wheel made beside it would hold no extension
+    setup_py = Path(__file__).resolve().parents[1] / "setup.py"
+    result = subprocess.run([sys.executable, str(setup_py), "--dry-run", "sdist", "bdist_wheel"], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and "make the sdist and build in two commands" in result.stderr, result.stderr
 
 
 def test_tests_use_the_installed_package():
