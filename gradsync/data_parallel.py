@@ -230,6 +230,15 @@ class _Join(Join):
                     joinable._leave_join()
 
 
+def _forget_residuals(ref, module, incompatible_keys):
+    wrapper = ref()
+    if wrapper is not None:
+        for bucket in wrapper._buckets:
+            if bucket.residual is not None:
+                bucket.residual.zero_()
+            bucket.saved_residuals.clear()
+
+
 class _JoinHook(JoinHook):
     def __init__(self, wrapper, divide_by_initial_world_size):
         wrapper._divide_by_initial_world_size = _check_flag(divide_by_initial_world_size,
@@ -529,7 +538,8 @@ class DataParallel(torch.nn.Module, Joinable):
     - It is a ``torch.nn.Module``: ``forward`` calls the wrapped module, ``train()``/``eval()``
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
-      so a model loaded from a checkpoint restarts them from zeros. As DDP, it can be copied
+      and a checkpoint loaded into the module (``load_state_dict``, of the wrapper or the module,
+      DCP's ``set_state_dict``) restarts them from zeros, as a new process would. As DDP, it can be copied
       (``copy.deepcopy``, an ``AveragedModel``, ``torch.save(model)``) when it runs on the default
       group: the copy wraps a copy of the module with the same settings, without a collective, and
       its residuals start from zeros. Its gradient hooks go with it, as
@@ -648,6 +658,11 @@ class DataParallel(torch.nn.Module, Joinable):
         _claim(params, ref)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
         self._grad_hooks = list(zip(params, handles))
+        # the tensors that hold the hooks: torch.utils.swap_tensors keeps a parameter's Python object
+        # (and id) but gives it another tensor, without them
+        self._hooked_tensor = {id(p): p._cdata for p in params}
+        # a checkpoint loaded into the module starts error feedback afresh, as in a new process
+        handles.append(module.register_load_state_dict_post_hook(functools.partial(_forget_residuals, ref)))
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
         weakref.finalize(self, _drop_hint, self._dynamo_hint)  # left behind by a compiled forward that raised
@@ -909,7 +924,8 @@ class DataParallel(torch.nn.Module, Joinable):
         params, self._buffers_seen = _members(self.module) if self._walk_members else \
             (list(self.module.parameters()), list(self.module.buffers()))
         if {id(p) for p in params} == self._param_ids and all(p.device == self._device for p in params) and \
-                all(id(p) in self._trainable_ids for p in params if p.requires_grad):
+                all(id(p) in self._trainable_ids for p in params if p.requires_grad) and \
+                all(p._cdata == self._hooked_tensor.get(id(p), p._cdata) for p in params):
             if not all(p.dtype == torch.float32 for b in self._buckets if b.views is not None for p in b.params):
                 raise RuntimeError("gradsync.DataParallel: a parameter whose gradient is a view of its fp32 bucket "
                                    "(gradient_as_bucket_view=True) changed its dtype after wrapping; cast the module "
@@ -939,6 +955,10 @@ class DataParallel(torch.nn.Module, Joinable):
                 return f"parameter {name!r} was replaced (a new tensor, as load_state_dict(assign=True) makes)"
             if p.requires_grad and id(p) not in self._trainable_ids:
                 return f"parameter {name!r} was unfrozen (requires_grad set)"
+            if p._cdata != self._hooked_tensor.get(id(p), p._cdata):
+                return (f"parameter {name!r} was swapped for another tensor, which has none of gradsync's gradient "
+                        "hooks (torch.utils.swap_tensors: load_state_dict, .to() or .half() under "
+                        "torch.__future__.set_swap_module_params_on_conversion(True))")
         return "a parameter was removed from the module"
 
     @contextlib.contextmanager

@@ -23,6 +23,7 @@ modules' parameter groups reads FSDP2's private state too):
                                      error_feedback=True)
 """
 import warnings
+import weakref
 import zlib
 
 import torch
@@ -309,6 +310,20 @@ def _reduce_every_parameter(found, caller, error_feedback):
                 g.reduce_scatter_unused_params = value
 
 
+def _forget_residuals_on_load(module, caller, hook):
+    """A checkpoint loaded into ``module`` (``load_state_dict``, DCP's ``set_state_dict``) starts the
+    residuals of its ``caller`` hook afresh, as a new process would; a hook set again replaces this."""
+    handles = module.__dict__.setdefault("_gradsync_on_load", {})
+    if caller in handles:
+        handles.pop(caller).remove()
+    ref = weakref.ref(hook)
+
+    def forget(m, incompatible_keys):
+        if ref() is not None:
+            ref()._residuals.clear()
+    handles[caller] = module.register_load_state_dict_post_hook(forget)
+
+
 def _check_replica_group(found, group):
     """Every rank of ``group`` holds the same place in a shard group of the same size, for every
     module: otherwise it would sum different shards. Collective over ``group``."""
@@ -343,6 +358,7 @@ def compress_reduce_scatter(module: torch.nn.Module, codec: str = "bf16", *, err
         _note_reduced_parameters(groups)
         comm._param_groups = groups
         m.set_custom_reduce_scatter(comm)
+        _forget_residuals_on_load(m, "compress_reduce_scatter", comm)
     return len(found)
 
 
@@ -372,4 +388,5 @@ def compress_replica_all_reduce(module: torch.nn.Module, group: dist.ProcessGrou
         _note_reduced_parameters(groups)
         hook._param_groups = groups
         m.set_all_reduce_hook(hook)
+        _forget_residuals_on_load(m, "compress_replica_all_reduce", hook)
     return len(found)

@@ -1787,6 +1787,57 @@ def test_nested_wrappers_with_gradient_views_average_as_ddp(worlds):
     assert all(same for _, same in results) and results[0][0] == results[1][0]
 
 
+def loaded_in_place(rank, size):
+    """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a wrapper whose
+    residuals two backwards had filled before its module loaded the checkpoint, and of a new one."""
+    out = []
+    for warm_steps in (2, 0):
+        torch.manual_seed(0)
+        model = gradsync.DataParallel(make_net(), codec="fp8_e4m3", bucket_cap_mb=BUCKET_MB, error_feedback=True)
+        checkpoint = copy.deepcopy(model.module.state_dict())
+        for step in range(warm_steps):
+            x, y = batch(rank, 50 + step)
+            F.mse_loss(model(x), y).backward()
+            model.zero_grad()
+        model.module.load_state_dict(checkpoint)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        out.append(params_of(model))
+    return out
+
+
+def test_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
+    for loaded, fresh in worlds(2).run(loaded_in_place):
+        assert torch.equal(loaded, fresh), (loaded - fresh).abs().max()
+
+
+def swapped_parameters(rank, size):
+    """load_state_dict under torch's swap_tensors mode keeps each parameter's Python object but not
+    the tensor that holds gradsync's gradient hook."""
+    model = gradsync.DataParallel(torch.nn.Linear(4, 1))
+    checkpoint = copy.deepcopy(model.module.state_dict())
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.module.load_state_dict(checkpoint)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+    with pytest.raises(RuntimeError, match="parameter 'weight' was swapped for another tensor, which has none of "
+                                           "gradsync's gradient hooks"):
+        model(torch.ones(2, 4))
+    with torch.no_grad():  # a forward that trains nothing may run on swapped parameters
+        model(torch.ones(2, 4))
+    return True
+
+
+def test_parameters_swapped_after_wrapping_are_refused_not_left_unaveraged(worlds):
+    assert all(worlds(2).run(swapped_parameters))
+
+
 def copies(rank, size):
     """copy.deepcopy, torch.save/torch.load and AveragedModel of a DataParallel, as of a DDP: the copy
     wraps a copy of the module with the same settings and trains as the original does."""

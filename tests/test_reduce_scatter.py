@@ -739,3 +739,43 @@ def test_fsdp2_setup_corners(worlds):
     skip_without_fsdp2_error_feedback()
     for steps in worlds(2).run(fsdp_setup_corners):
         assert steps[:2] == ["ok", "ok"] and "the ranks disagree on the call" in steps[2], steps
+
+
+
+def fsdp_loaded_in_place(rank, size):
+    """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a model whose
+    residuals two backwards had filled before it loaded the checkpoint in place, and of a new one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,))
+    out = []
+    for warm_steps in (2, 0):
+        torch.manual_seed(0)
+        model = Mlp()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        checkpoint = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fsdp.compress_reduce_scatter(model, "fp8_e4m3", error_feedback=True)
+        for step in range(warm_steps):
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 + 100 * step + rank))
+            F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
+            model.zero_grad()
+        model.load_state_dict(checkpoint)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
+            opt.step()
+        out.append(torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]))
+    return out
+
+
+def test_fsdp2_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
+    skip_without_fsdp2_error_feedback()
+    for loaded_in_place, fresh in worlds(2).run(fsdp_loaded_in_place):
+        assert torch.equal(loaded_in_place, fresh), (loaded_in_place - fresh).abs().max()
