@@ -24,7 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
-from .distributed import _ALL_REDUCE, _check_flag, _issue, _refusal, _resolve_group
+from .distributed import _ALL_REDUCE, _ForgetResidualsOnLoad, _check_flag, _issue, _refusal, _resolve_group
 from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
 
 __all__ = ["DataParallel"]
@@ -228,15 +228,6 @@ class _Join(Join):
             for joinable in self._joinables:
                 if isinstance(joinable, DataParallel):
                     joinable._leave_join()
-
-
-def _forget_residuals(ref, module, incompatible_keys):
-    wrapper = ref()
-    if wrapper is not None:
-        for bucket in wrapper._buckets:
-            if bucket.residual is not None:
-                bucket.residual.zero_()
-            bucket.saved_residuals.clear()
 
 
 class _JoinHook(JoinHook):
@@ -662,7 +653,7 @@ class DataParallel(torch.nn.Module, Joinable):
         # (and id) but gives it another tensor, without them
         self._hooked_tensor = {id(p): p._cdata for p in params}
         # a checkpoint loaded into the module starts error feedback afresh, as in a new process
-        handles.append(module.register_load_state_dict_post_hook(functools.partial(_forget_residuals, ref)))
+        handles.append(module.register_load_state_dict_post_hook(_ForgetResidualsOnLoad(self)))
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
         weakref.finalize(self, _drop_hint, self._dynamo_hint)  # left behind by a compiled forward that raised
@@ -942,6 +933,12 @@ class DataParallel(torch.nn.Module, Joinable):
                            "gradsync would not average it; move the module, load its weights and choose its trainable "
                            "parameters first, then wrap it. torch.func.functional_call swaps parameters too: call it "
                            "under torch.no_grad(), or on model.module")
+
+    def _forget_residuals(self):
+        for bucket in self._buckets:
+            if bucket.residual is not None:
+                bucket.residual.zero_()
+            bucket.saved_residuals.clear()
 
     def _first_change(self, params):
         names = {id(p): name for name, p in self.module.named_parameters()}

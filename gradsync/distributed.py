@@ -121,6 +121,24 @@ def _wait_seconds(timeout):
     return seconds or -1.0
 
 
+class _ForgetResidualsOnLoad:
+    """A module's ``load_state_dict`` post hook that zeroes the error-feedback residuals of the
+    object it holds weakly (``forget()``): a loaded checkpoint starts afresh, as a new process
+    would. A copy of the module (``copy.deepcopy``, ``torch.save``) gets an inert one: the copy's
+    own wrapper or hooks register theirs."""
+
+    def __init__(self, owner):
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def __call__(self, module, incompatible_keys):
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:
+            owner._forget_residuals()
+
+    def __reduce__(self):
+        return type(self), (None,)
+
+
 def _check_flag(value, name):
     if value not in (True, False):
         raise TypeError(f"{name} must be True or False, got {value!r}")

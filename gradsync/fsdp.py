@@ -23,13 +23,12 @@ modules' parameter groups reads FSDP2's private state too):
                                      error_feedback=True)
 """
 import warnings
-import weakref
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from .distributed import _all_reduce, _check_flag, _op_factor, _reduce_scatter
+from .distributed import _ForgetResidualsOnLoad, _all_reduce, _check_flag, _op_factor, _reduce_scatter
 from .ops import FLOAT_DTYPES, _check_codec, _eager_under_compile
 
 try:
@@ -85,6 +84,9 @@ class ReduceScatter(_ReduceScatterComm):
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _forget_residuals(self):
+        self._residuals.clear()
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -147,6 +149,9 @@ class ReplicaAllReduce:
         self._layouts = _Layouts()
         self._residuals = {}
         self._param_groups = ()  # set by compress_replica_all_reduce, as for ReduceScatter
+
+    def _forget_residuals(self):
+        self._residuals.clear()
 
     def __call__(self, shard: torch.Tensor) -> None:
         _check_reduce_dtype(shard.dtype, "ReplicaAllReduce")
@@ -316,12 +321,7 @@ def _forget_residuals_on_load(module, caller, hook):
     handles = module.__dict__.setdefault("_gradsync_on_load", {})
     if caller in handles:
         handles.pop(caller).remove()
-    ref = weakref.ref(hook)
-
-    def forget(m, incompatible_keys):
-        if ref() is not None:
-            ref()._residuals.clear()
-    handles[caller] = module.register_load_state_dict_post_hook(forget)
+    handles[caller] = module.register_load_state_dict_post_hook(_ForgetResidualsOnLoad(hook))
 
 
 def _check_replica_group(found, group):
