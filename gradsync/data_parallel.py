@@ -650,10 +650,12 @@ class DataParallel(torch.nn.Module, Joinable):
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref)) for p in params]
         self._grad_hooks = list(zip(params, handles))
         # the tensors that hold the hooks: torch.utils.swap_tensors keeps a parameter's Python object
-        # (and id) but gives it another tensor, without them
+        # (and id) but gives it another tensor, without them. Their gradient accumulators, held as
+        # DDP's reducer holds them, keep them alive, so that no later tensor takes one's address.
         self._hooked_tensor = {id(p): p._cdata for p in params}
+        self._grad_accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
         # a checkpoint loaded into the module starts error feedback afresh, as in a new process
-        handles.append(module.register_load_state_dict_post_hook(_ForgetResidualsOnLoad(self)))
+        handles += _ForgetResidualsOnLoad(self).register(module)
         weakref.finalize(self, _remove_hooks, handles)
         weakref.finalize(self, _release, [id(p) for p in params], ref)
         weakref.finalize(self, _drop_hint, self._dynamo_hint)  # left behind by a compiled forward that raised
@@ -934,11 +936,13 @@ class DataParallel(torch.nn.Module, Joinable):
                            "parameters first, then wrap it. torch.func.functional_call swaps parameters too: call it "
                            "under torch.no_grad(), or on model.module")
 
-    def _forget_residuals(self):
+    def _forget_residuals(self, written):
         for bucket in self._buckets:
-            if bucket.residual is not None:
-                bucket.residual.zero_()
-            bucket.saved_residuals.clear()
+            for j, p in enumerate(bucket.params):
+                if id(p) in written:
+                    if bucket.residual is not None:
+                        bucket.segment(j, bucket.residual).zero_()
+                    bucket.saved_residuals.pop(j, None)
 
     def _first_change(self, params):
         names = {id(p): name for name, p in self.module.named_parameters()}

@@ -122,18 +122,29 @@ def _wait_seconds(timeout):
 
 
 class _ForgetResidualsOnLoad:
-    """A module's ``load_state_dict`` post hook that zeroes the error-feedback residuals of the
-    object it holds weakly (``forget()``): a loaded checkpoint starts afresh, as a new process
-    would. A copy of the module (``copy.deepcopy``, ``torch.save``) gets an inert one: the copy's
-    own wrapper or hooks register theirs."""
+    """``load_state_dict`` hooks of a module: the parameters a load wrote (their autograd versions
+    moved) restart the error feedback of the object held weakly (its ``_forget_residuals(written)``,
+    parameter ids), as in a new process. A load that wrote nothing (``strict=False`` with other
+    keys, one that failed) changes nothing. A copy of the module (``copy.deepcopy``, ``torch.save``)
+    gets inert hooks: the copy's own wrapper or hooks register theirs."""
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner) if owner is not None else None
+        self._versions = {}
+
+    def register(self, module):
+        """The hooks' handles."""
+        return [module.register_load_state_dict_pre_hook(self.before), module.register_load_state_dict_post_hook(self)]
+
+    def before(self, module, *args):  # before its own and its submodules' parameters load
+        self._versions = {id(p): p._version for p in module.parameters()}
 
     def __call__(self, module, incompatible_keys):
         owner = self._owner() if self._owner is not None else None
-        if owner is not None:
-            owner._forget_residuals()
+        written = {id(p) for p in module.parameters() if self._versions.get(id(p), p._version) != p._version}
+        self._versions = {}
+        if owner is not None and written:
+            owner._forget_residuals(written)
 
     def __reduce__(self):
         return type(self), (None,)

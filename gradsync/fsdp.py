@@ -85,7 +85,7 @@ class ReduceScatter(_ReduceScatterComm):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _forget_residuals(self):
+    def _forget_residuals(self, written):  # a residual spans the module's parameters
         self._residuals.clear()
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -150,7 +150,7 @@ class ReplicaAllReduce:
         self._residuals = {}
         self._param_groups = ()  # set by compress_replica_all_reduce, as for ReduceScatter
 
-    def _forget_residuals(self):
+    def _forget_residuals(self, written):  # a residual spans the module's parameters
         self._residuals.clear()
 
     def __call__(self, shard: torch.Tensor) -> None:
@@ -317,11 +317,12 @@ def _reduce_every_parameter(found, caller, error_feedback):
 
 def _forget_residuals_on_load(module, caller, hook):
     """A checkpoint loaded into ``module`` (``load_state_dict``, DCP's ``set_state_dict``) starts the
-    residuals of its ``caller`` hook afresh, as a new process would; a hook set again replaces this."""
+    residuals of its ``caller`` hook afresh, as a new process would, if it wrote a parameter; a hook
+    set again replaces this."""
     handles = module.__dict__.setdefault("_gradsync_on_load", {})
-    if caller in handles:
-        handles.pop(caller).remove()
-    handles[caller] = module.register_load_state_dict_post_hook(_ForgetResidualsOnLoad(hook))
+    for handle in handles.pop(caller, []):
+        handle.remove()
+    handles[caller] = _ForgetResidualsOnLoad(hook).register(module)
 
 
 def _check_replica_group(found, group):

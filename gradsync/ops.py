@@ -134,8 +134,11 @@ def _check_scale(scale, name="scale"):
         traced = " (torch.compile traces a numpy scalar as an array: pass float(scale))" \
             if _compiling() and type(scale).__name__ == "ndarray" else ""
         raise TypeError(f"{name} must be a real number, got {type(scale).__name__}{traced}")
-    if _compiling():  # a traced scale may be symbolic
-        return scale
+    if _compiling():  # a traced scale may be symbolic; the kernel checks its range when it runs
+        if type(scale) is not int:
+            return scale
+        # a plain int: rounded once, as in eager; one past float32's range is inf, which the kernel refuses
+        return _float32_int(scale) if abs(scale).bit_length() <= 128 else math.inf if scale > 0 else -math.inf
     try:  # the kernels apply it in float32: it must be finite there too
         value = _float32_int(scale) if isinstance(scale, numbers.Integral) else float(scale)
         struct.pack("<f", value)  # raises where rounding to float32 overflows
@@ -156,7 +159,7 @@ def _float32_int(n):
     n = int(n)
     magnitude, shift = abs(n), abs(n).bit_length() - 24
     if shift > 0:
-        kept, rest = divmod(magnitude, 1 << shift)
+        kept, rest = magnitude >> shift, magnitude & ((1 << shift) - 1)  # not divmod, which Dynamo cannot trace
         half = 1 << (shift - 1)
         if rest > half or (rest == half and kept & 1):
             kept += 1

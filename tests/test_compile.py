@@ -179,6 +179,15 @@ def test_a_scale_computed_in_compiled_code_is_traced_once_not_once_per_value():
     assert len(graphs) <= 4, f"{len(graphs)} graphs for 2 codecs and 12 scales each"
 
 
+def test_compiled_integer_scales_round_once_as_in_eager():
+    torch._dynamo.reset()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(16))
+    # beyond int64, and beyond 2^53 where float64 would round first
+    for scale in (2**70 + 2**46 + 1, 2**53 + 1, 2**24 + 3, -(2**60 + 2**36 + 1), 3):
+        compiled = torch.compile(lambda t, s=scale: gradsync.flatten([t], scale=s), backend="aot_eager", fullgraph=True)
+        assert same_bits(compiled(x), gradsync.flatten([x], scale=scale)), scale
+
+
 def test_compiled_unflatten_into_strided_tensors_with_dynamic_shapes():
     # the overlap check of a strided destination compares its symbolic strides (sorting them failed)
     torch._dynamo.reset()
@@ -246,6 +255,10 @@ def test_compiled_calls_keep_the_checks_that_need_no_address():
     with pytest.raises(Exception, match="scale must be finite in float32"):
         torch.compile(lambda x, s: gradsync.compress(x, "fp16", scale=s), backend="aot_eager", fullgraph=True)(
             torch.randn(8), 1e39)
+    for scale in (10**400, -(2**128)):  # an integer beyond float32's range, as eager refuses it
+        with pytest.raises(Exception, match="scale must be finite in float32"):
+            torch.compile(lambda x, s=scale: gradsync.flatten([x], scale=s), backend="aot_eager", fullgraph=True)(
+                torch.randn(8))
     overlapping = torch.zeros(16).as_strided((4, 4), (2, 1))  # elements that share addresses
     with pytest.raises(Exception, match="cannot be checked under torch.compile"):
         torch.compile(lambda f, t: gradsync.unflatten(f, [t]), backend="aot_eager", fullgraph=True)(torch.randn(16),

@@ -1815,6 +1815,34 @@ def test_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
         assert torch.equal(loaded, fresh), (loaded - fresh).abs().max()
 
 
+def partial_loads(rank, size):
+    """A load restarts the residuals of the parameters it wrote only (an adapter's, say)."""
+    model = gradsync.DataParallel(make_net(), codec="fp8_e4m3", bucket_cap_mb=BUCKET_MB, error_feedback=True)
+    x, y = batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    named = dict(model.module.named_parameters())
+
+    def residuals():
+        segments = {id(p): b.segment(j, b.residual).clone() for b in model._buckets for j, p in enumerate(b.params)}
+        return {name: segments[id(p)] for name, p in named.items()}
+
+    before = residuals()
+    assert all(r.abs().sum() > 0 for r in before.values())
+    model.module.load_state_dict({}, strict=False)  # writes nothing
+    first = next(iter(named))
+    with pytest.raises(RuntimeError, match="size mismatch"):  # fails before it writes
+        model.module.load_state_dict({first: torch.zeros(1)}, strict=False)
+    assert all(torch.equal(before[n], r) for n, r in residuals().items())
+    model.module.load_state_dict({first: named[first].detach().clone()}, strict=False)
+    after = residuals()
+    assert not after[first].any() and all(torch.equal(before[n], after[n]) for n in named if n != first)
+    return True
+
+
+def test_a_load_restarts_the_residuals_of_the_parameters_it_wrote_only(worlds):
+    assert all(worlds(2).run(partial_loads))
+
+
 def swapped_parameters(rank, size):
     """load_state_dict under torch's swap_tensors mode keeps each parameter's Python object but not
     the tensor that holds gradsync's gradient hook."""
@@ -1823,12 +1851,13 @@ def swapped_parameters(rank, size):
     was = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        model.module.load_state_dict(checkpoint)
+        for _ in range(8):  # each swap frees the tensor swapped out before: none may take the hooked one's place
+            model.module.load_state_dict(checkpoint)
+            with pytest.raises(RuntimeError, match="parameter 'weight' was swapped for another tensor, which has none "
+                                                   "of gradsync's gradient hooks"):
+                model(torch.ones(2, 4))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(was)
-    with pytest.raises(RuntimeError, match="parameter 'weight' was swapped for another tensor, which has none of "
-                                           "gradsync's gradient hooks"):
-        model(torch.ones(2, 4))
     with torch.no_grad():  # a forward that trains nothing may run on swapped parameters
         model(torch.ones(2, 4))
     return True
