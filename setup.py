@@ -30,7 +30,9 @@ if int(setuptools.__version__.split(".")[0]) < 77:
 # `setup.py sdist` (also what `python -m build --sdist` runs) only packs the sources: no torch needed
 MAKING_SDIST = [a for a in sys.argv[1:] if not a.startswith("-")][:1] == ["sdist"]
 BUILDS = {"build", "build_ext", "build_py", "bdist", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
-if MAKING_SDIST and BUILDS & set(sys.argv[2:]):  # the sdist's setup() has no extension to build
+VALUED = {"-d", "--dist-dir", "--formats", "-t", "--template", "-m", "--manifest", "-u", "--owner", "-g", "--group"}
+if MAKING_SDIST and any(a in BUILDS and before not in VALUED for before, a in zip(sys.argv[1:], sys.argv[2:])):
+    # the sdist's setup() has no extension to build
     fail("make the sdist and build in two commands (setup.py sdist; pip wheel --no-build-isolation --no-deps . -w "
          "dist)")
 FROM_SDIST = (ROOT / "PKG-INFO").exists()  # an unpacked sdist: no .git, and setuptools wrote PKG-INFO

@@ -391,7 +391,7 @@ def main():
         while size <= args.max_bytes:
             names |= set(implementations(n, None, args.feedback, size // 4, device))
             size *= args.step
-        if not any(s in name for name in names if name != "torch fp32" for s in args.impls):
+        if not any(s in name for name in names for s in args.impls):
             sys.exit(f"--impls {' '.join(args.impls)}: no such row at {n} ranks from {common.format_bytes(args.min_bytes)}"
                      f" to {common.format_bytes(args.max_bytes)} (the ring and unchecked rows exist for CPU buffers that "
                      f"take gradsync's direct exchange: at most {model.DIRECT_EXCHANGE_RANKS} ranks, at most "

@@ -118,7 +118,7 @@ def check_output_folders(parser, args, *options, prefix=False):
     the files' names) in a folder that exists."""
     for option in options:
         path = getattr(args, option.lstrip("-").replace("-", "_"))
-        if path and (path.endswith(os.sep) or os.path.isdir(path)):
+        if path and (path.endswith(os.sep) or (os.path.isdir(path) and not prefix)):
             parser.error(f"{option} {path}: a folder; give {'the start of a file name' if prefix else 'a file name'} "
                          f"in it ({os.path.join(path, 'results')}{'' if prefix else '.json'})")
         folder = os.path.dirname(os.path.abspath(path)) if path else None
