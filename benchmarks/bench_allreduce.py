@@ -362,7 +362,8 @@ def main():
     if args.impls and args.accuracy:
         parser.error("--impls selects timed rows; --accuracy measures every implementation")
     timed_only = [option for option in ("min_bytes", "max_bytes", "step", "budget_bytes", "max_iters", "rounds",
-                                        "feedback", "gloo_loop_nice") if getattr(args, option) != parser.get_default(option)]
+                                        "feedback", "gloo_loop_nice")
+                  if getattr(args, option) != parser.get_default(option)]
     if args.accuracy and timed_only:
         parser.error(f"--accuracy measures 1M elements per rank, every codec once; "
                      f"{', '.join('--' + o.replace('_', '-') for o in timed_only)} shape the timed table only")
@@ -392,9 +393,10 @@ def main():
             names |= set(implementations(n, None, args.feedback, size // 4, device))
             size *= args.step
         if not any(s in name for name in names for s in args.impls):
-            sys.exit(f"--impls {' '.join(args.impls)}: no such row at {n} ranks from {common.format_bytes(args.min_bytes)}"
-                     f" to {common.format_bytes(args.max_bytes)} (the ring and unchecked rows exist for CPU buffers that "
-                     f"take gradsync's direct exchange: at most {model.DIRECT_EXCHANGE_RANKS} ranks, at most "
+            sys.exit(f"--impls {' '.join(args.impls)}: no such row at {n} ranks from "
+                     f"{common.format_bytes(args.min_bytes)} to {common.format_bytes(args.max_bytes)} (the ring and "
+                     f"unchecked rows exist for CPU buffers that take gradsync's direct exchange: at most "
+                     f"{model.DIRECT_EXCHANGE_RANKS} ranks, at most "
                      f"{common.format_bytes(gradsync.distributed.DIRECT_BYTES)} per rank on the wire)")
     if args.gloo_loop_nice is not None:
         dist.barrier()  # the default group's pairs and their loop threads exist

@@ -51,5 +51,6 @@ def load():
     try:
         return build_info, importlib.import_module("gradsync._C")
     except ImportError as e:
-        raise ImportError(f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version}) "
-                          f"failed to load under torch {torch.__version__}: {e}; {rebuild_hint(package_dir)}") from e
+        raise ImportError(f"gradsync {build_info.version} at {package_dir} (built for torch "
+                          f"{build_info.torch_version}) failed to load under torch {torch.__version__}: {e}; "
+                          f"{rebuild_hint(package_dir)}") from e

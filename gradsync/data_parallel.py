@@ -530,7 +530,8 @@ class DataParallel(torch.nn.Module, Joinable):
       reach it, and, as with DDP, ``state_dict()`` keys carry the prefix ``module.`` (save
       ``model.module.state_dict()`` for unprefixed keys); error-feedback residuals are not in it,
       and a checkpoint loaded into the module (``load_state_dict``, of the wrapper or the module,
-      DCP's ``set_state_dict``) restarts them from zeros, as a new process would. As DDP, it can be copied
+      DCP's ``set_state_dict``) restarts those of the parameters it writes from zeros, as a new
+      process would. As DDP, it can be copied
       (``copy.deepcopy``, an ``AveragedModel``, ``torch.save(model)``) when it runs on the default
       group: the copy wraps a copy of the module with the same settings, without a collective, and
       its residuals start from zeros. Its gradient hooks go with it, as

@@ -567,7 +567,8 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         _check_own_elements(tensor, "tensor")
         per_node = local_group.size()
         shard_numel = -(-tensor.numel() // per_node)
-        if isinstance(residual, torch.Tensor) and residual.numel() != shard_numel:
+        if isinstance(residual, torch.Tensor) and not residual.is_nested and residual.layout == torch.strided and \
+                residual.numel() != shard_numel:  # the rest of the residual's checks follow _check_residual's
             raise ValueError(f"residual must hold ceil(tensor.numel() / local_group.size()) = ceil({tensor.numel()} / "
                              f"{per_node}) = {shard_numel} elements, got {residual.numel()}")
         flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
