@@ -554,6 +554,10 @@ class DataParallel(torch.nn.Module, Joinable):
         Joinable.__init__(self)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if torch.is_inference_mode_enabled():  # DDP wraps there, then its first backward fails
+            raise RuntimeError("gradsync.DataParallel cannot be made inside torch.inference_mode(): its buckets would "
+                               "be inference tensors, which no training outside it can write; wrap the module outside "
+                               "it")
         _check_codec(codec)
         error_feedback = _check_flag(error_feedback, "error_feedback")
         broadcast_buffers = _check_flag(broadcast_buffers, "broadcast_buffers")

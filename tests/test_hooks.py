@@ -2232,6 +2232,8 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2).double()), TypeError, "parameter 'weight' is torch.float64"),
     (lambda: gradsync.DataParallel(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")])),
      ValueError, "on several devices (cpu, meta)"),
+    (torch.inference_mode()(lambda: gradsync.DataParallel(torch.nn.Linear(2, 2))), RuntimeError,
+     "gradsync.DataParallel cannot be made inside torch.inference_mode(): its buckets would be inference tensors"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2, device="meta")), ValueError,
      "the module is on the meta device (its parameters hold no values)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
