@@ -251,9 +251,9 @@ def _in_float32(value, name):
     return value
 
 
-def _check_residual(residual, tensor, *others):
+def _check_residual(residual, tensor, *others, numel_means=None):
     """``others``: more tensors of the call (a reduce-scatter's output) the residual must not share
-    memory with."""
+    memory with. ``numel_means``: how the caller's arguments give ``tensor``'s numel, for the message."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
     if residual.is_nested or residual.layout != torch.strided:
@@ -265,6 +265,8 @@ def _check_residual(residual, tensor, *others):
         raise ValueError("residual must be a contiguous float32 tensor, got a non-contiguous one")
     _check_memory(residual, "residual", "the ring")
     _check_writable(residual, "residual")
+    if numel_means is not None and residual.numel() != tensor.numel():
+        raise ValueError(f"residual must hold {numel_means} = {tensor.numel()} elements, got {residual.numel()}")
     if residual.numel() != tensor.numel() or residual.device != tensor.device:
         raise ValueError(f"residual must match the tensor's numel and device: got {residual.numel()} elements on "
                          f"{residual.device} for a tensor of {tensor.numel()} on {tensor.device}")

@@ -567,10 +567,6 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         _check_own_elements(tensor, "tensor")
         per_node = local_group.size()
         shard_numel = -(-tensor.numel() // per_node)
-        if isinstance(residual, torch.Tensor) and not residual.is_nested and residual.layout == torch.strided and \
-                residual.numel() != shard_numel:  # the rest of the residual's checks follow _check_residual's
-            raise ValueError(f"residual must hold ceil(tensor.numel() / local_group.size()) = ceil({tensor.numel()} / "
-                             f"{per_node}) = {shard_numel} elements, got {residual.numel()}")
         flat = tensor.contiguous().view(-1)  # the shards are chunks of its elements (of a copy where it is strided)
         padded = flat if shard_numel * per_node == flat.numel() else \
             torch.cat([flat, flat.new_zeros(shard_numel * per_node - flat.numel())])
@@ -579,7 +575,8 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         shard = tensor.new_empty(shard_numel)
         _check_tensor(padded, "tensor", "hierarchical_average")
         if residual is not None:
-            _check_residual(residual, shard, padded)
+            _check_residual(residual, shard, padded, numel_means="ceil(tensor.numel() / local_group.size()) = "
+                                                                 f"ceil({tensor.numel()} / {per_node})")
         for group in (local_group, cross_group):
             _check_backend(shard, "tensor", group)
             _check_nccl_device(shard, group)

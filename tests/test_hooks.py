@@ -1793,7 +1793,7 @@ def loaded_in_place(rank, size):
     out = []
     for warm_steps in (2, 0):
         torch.manual_seed(0)
-        model = gradsync.DataParallel(make_net(), codec="fp8_e4m3", bucket_cap_mb=BUCKET_MB, error_feedback=True)
+        model = wrap(make_net(), "dp:fp8_e4m3+ef")
         checkpoint = copy.deepcopy(model.module.state_dict())
         for step in range(warm_steps):
             x, y = batch(rank, 50 + step)
@@ -1817,7 +1817,7 @@ def test_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
 
 def partial_loads(rank, size):
     """A load restarts the residuals of the parameters it wrote only (an adapter's, say)."""
-    model = gradsync.DataParallel(make_net(), codec="fp8_e4m3", bucket_cap_mb=BUCKET_MB, error_feedback=True)
+    model = wrap(make_net(), "dp:fp8_e4m3+ef")
     x, y = batch(rank, 0)
     F.mse_loss(model(x), y).backward()
     named = dict(model.module.named_parameters())
