@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -28,6 +29,12 @@ class Backoff {
 // A query's cudaErrorNotReady is also left as the thread's last error, which the next kernel launch
 // would then report as its own failure (launches are checked with cudaGetLastError): clear it.
 void not_ready_seen() { static_cast<void>(cudaGetLastError()); }
+// Freeing a communicator happens in destructors and on paths that already throw, so a failure to
+// free it is reported, not raised: the process goes on without those resources.
+void report_free_failure(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess || r == ncclInProgress) return;  // an aborting comm may settle later
+  std::fprintf(stderr, "gradsync: %s failed: %s; its resources may leak\n", what, ncclGetErrorString(r));
+}
 }  // namespace
 
 std::string NcclComm::unique_id() {
@@ -62,8 +69,8 @@ NcclComm::~NcclComm() {
     backoff.pause();
     if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
   }
-  if (state == ncclSuccess) ncclCommDestroy(comm_);
-  else ncclCommAbort(comm_);
+  if (state == ncclSuccess) report_free_failure(ncclCommDestroy(comm_), "ncclCommDestroy");
+  else report_free_failure(ncclCommAbort(comm_), "ncclCommAbort");
 }
 
 ncclComm_t NcclComm::get() const {
@@ -74,7 +81,7 @@ ncclComm_t NcclComm::get() const {
 bool NcclComm::abort(cudaStream_t drain) {
   if (comm_ && !aborted_) {
     aborted_ = true;
-    ncclCommAbort(comm_);
+    report_free_failure(ncclCommAbort(comm_), "ncclCommAbort");
   }
   if (!drain) return true;
   // NCCL's kernels leave once aborted, so the kernels queued behind them run now; wait for them, but
