@@ -361,7 +361,9 @@ class HierarchicalState(GradSyncState):
     bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step).
     Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
     TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
-    ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups.
+    ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups. The groups it makes live
+    until ``destroy_process_group``, as ``new_group``'s do: to make states again in one process,
+    pass the first one's groups (or destroy them).
     """
 
     def __init__(self, local_size: Optional[int] = None, codec: str = "fp8_e4m3", error_feedback: bool = False, *,
