@@ -146,7 +146,8 @@ def write_json(path, title, rows, meta):
     os.replace(f"{path}.partial", path)
 
 
-def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op", xlabel=None, ylabel=None):
+def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op", xlabel=None, ylabel=None, shade_above=None):
+    """A line per ``group``; ``shade_above=(x0, label)`` greys the points past x0 and says why."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -160,6 +161,10 @@ def plot(path, title, rows, *, x="bytes_moved", y="gbps", group="op", xlabel=Non
         pts = sorted((get(r, x), get(r, y)) for r in rows if get(r, group) == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ax.set_xscale("log")
+    if shade_above is not None:
+        lo, hi = ax.get_xlim()
+        ax.axvspan(shade_above[0], hi, color="grey", alpha=0.2, label=shade_above[1])
+        ax.set_xlim(lo, hi)
     ax.set_xlabel(xlabel or x.replace("_", " "))
     ax.set_ylabel(ylabel or y)
     ax.set_title(title, fontsize=9)

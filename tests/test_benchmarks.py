@@ -186,6 +186,8 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     (os.path.join("netem", "report.py"), ["--out", "r", "run.json"], "run.sh names its runs rate-<rate>.json"),
     (os.path.join("netem", "report.py"), ["--out", "r", "rate-1Gbit.json"], "bad rate '1Gbit'"),
     (os.path.join("netem", "report.py"), ["--out", "r", "rate-1gbit.json"], "rate-1gbit.json does not exist"),
+    (os.path.join("netem", "report.py"), ["--out", "r", "a/rate-1gbit.json", "rate-1000mbit.json"],
+     "a/rate-1gbit.json and rate-1000mbit.json are runs of one rate"),
     ("bench_allreduce.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("bench_allreduce.py", ["--min-bytes", ""], "--min-bytes"),
     ("bench_allreduce.py", ["--min-bytes", "infK"], "--min-bytes: invalid parse_bytes value"),

@@ -39,6 +39,11 @@ def test_dry_run_prints_every_command_and_touches_only_its_namespaces():
             assert cmd[1] == "-n" and cmd[2] in ours, cmd
         elif cmd[0] in ("mkdir", "cat"):  # the output folder, and rank 0's log printed after each rate
             assert cmd[-1].startswith("/nowhere") and (cmd[0] == "cat") == cmd[-1].endswith(".log"), cmd
+        elif cmd[0] == "rm":  # an earlier run's JSON of the rate, before its ranks start
+            rate = cmd[-1].removeprefix("/nowhere/rate-").removesuffix(".json")
+            assert cmd[:2] == ["rm", "-f"] and rate in ("100mbit", "1gbit", "2gbit"), cmd
+            first_rank = next(c for c in cmds if c[1:3] == ["netns", "exec"] and f"/nowhere/rate-{rate}.json" in c)
+            assert cmds.index(cmd) < cmds.index(first_rank)
         else:
             assert cmd[0] in ("wait", sys.executable), cmd
     assert cmds[:5] == [["mkdir", "-p", "/nowhere"]] + [["ip", "netns", "del", ns] for ns in
@@ -79,8 +84,10 @@ def test_dry_run_without_out_names_a_new_folder_and_makes_none(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("args", [["--hosts", "1"], ["--hosts", "010"], ["--rate", "1gb"], ["--rate", "0.0mbit"],
-                                  ["--rate", "00mbit"], ["--rate", "0.5kbit"], ["--rate", ""], ["--timeout", "abc"],
+@pytest.mark.parametrize("args", [["--hosts", "1"], ["--hosts", "010"], ["--hosts", "18446744073709551618"],
+                                  ["--rate", "1gb"], ["--rate", "0.0mbit"], ["--rate", "00mbit"],
+                                  ["--rate", "0.5kbit"], ["--rate", ""], ["--rate", "1gbit,1000mbit"],
+                                  ["--rate", "1gbit,1gbit"], ["--timeout", "abc"], ["--timeout", "9" * 20],
                                   ["--prefix", "Bad_Prefix"], ["--frobnicate"], ["--hosts"], ["--out"]])
 def test_bad_arguments_fail_before_anything_runs(args):
     result = run_sh("--dry-run", *args)
@@ -128,6 +135,19 @@ def test_report_bound_and_targets(tmp_path):
     assert {t["target"]: t["met"] for t in targets}["every gradsync codec >= 85 % of its link bound"] is None
     text = report.markdown(out[:-1], {"ranks": 4, "date": "d", "machine": "m", "shaper": "s", "title": "t"}, targets)
     assert "| – | – |" in text and "| n/a |" in text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run.sh stops earlier without root, asking for it")
+@pytest.mark.parametrize("missing", ["ip", "tc"])
+def test_a_missing_tool_is_named_before_anything_runs(missing, tmp_path):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "dirname", "awk", "sed", "grep", "flock", "timeout", "mktemp", "mkdir", "cat", "rm", "ip", "tc"):
+        if tool != missing and shutil.which(tool):
+            os.symlink(shutil.which(tool), tools / tool)
+    result = run_sh("--hosts", "2", "--out", str(tmp_path / "out"), extra_env={"PATH": str(tools)})
+    assert result.returncode == 2 and f"run.sh: needs {missing}" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists() and "ip netns" not in result.stdout
 
 
 def can_make_namespaces(prefix):
@@ -195,6 +215,51 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert not [ns for ns in namespaces() if ns.startswith(prefix)]
+
+
+def test_an_earlier_runs_json_never_passes_for_this_ones(prefix, tmp_path):
+    stale = {"title": "an earlier run", "meta": {"ranks": 2}, "rows": [
+        {"bytes": 2**26, "impl": "torch fp32", "time_ms": 1000.0, "wire_bytes": 2**26, "speedup": 1.0}]}
+    (tmp_path / "rate-1gbit.json").write_text(json.dumps(stale))
+    # the ranks print their usage and exit 0, writing nothing
+    result = run_sh("--prefix", prefix, "--out", str(tmp_path), "--hosts", "2", "--rate", "1gbit", "--", "--help",
+                    timeout=120)
+    assert result.returncode == 1 and "rank 0 wrote no" in result.stderr, result.stdout[-2000:] + result.stderr
+    assert not (tmp_path / "rate-1gbit.json").exists() and not (tmp_path / "netem.json").exists()
+
+
+def test_ctrl_c_pressed_again_during_the_teardown_does_not_cut_it_short(prefix, tmp_path):
+    endless = ["--hosts", "3", "--rate", "1gbit", "--timeout", "60", "--", "--min-bytes", "64M", "--max-bytes", "64M",
+               "--impls", "torch fp32", "--budget-bytes", "64G", "--max-iters", "1000"]
+    env = dict(os.environ, PYTHON=sys.executable)
+
+    def own_session_with_sigint():  # a terminal's process group, which every Ctrl-C reaches
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *endless], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=own_session_with_sigint)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "rank2-1gbit.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the ranks are starting
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, again and again
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.005)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        # what a teardown cut short leaves: its ranks (the namespaces fail the prefix fixture)
+        left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not left, "processes of the run left behind"
     assert not [ns for ns in namespaces() if ns.startswith(prefix)]
 
 

@@ -127,14 +127,19 @@ def main():
     parser.add_argument("runs", nargs="+", help="rate-<rate>.json files written by run.sh")
     args = parser.parse_args()
     common.check_output_folders(parser, args, "--out", prefix=True)
+    seen = {}  # bits/s -> the run of that rate
     for path in args.runs:
         name = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))
         if not name:
             parser.error(f"{path}: run.sh names its runs rate-<rate>.json (rate-1gbit.json), whose rate this reads")
         try:
-            rate_bps(name[1])
+            bps = rate_bps(name[1])
         except ValueError as error:
             parser.error(f"{path}: {error}")
+        if bps in seen:
+            parser.error(f"{seen[bps]} and {path} are runs of one rate: give one run per rate")
+        seen[bps] = path
+    for path in args.runs:
         if not os.path.isfile(path):
             parser.error(f"{path} does not exist")
     try:
@@ -153,7 +158,9 @@ def main():
     largest = max(r["bytes"] for r in rows)
     common.plot(args.out + ".png", f"{meta['ranks']} hosts, {common.format_bytes(largest)} fp32, emulated links",
                 [r for r in rows if r["bytes"] == largest], x="rate_gbit", y="algbw_gbit", group="impl",
-                xlabel="link rate per host (Gbit/s)", ylabel="algbw (Gbit/s of fp32 gradients)")
+                xlabel="link rate per host (Gbit/s)", ylabel="algbw (Gbit/s of fp32 gradients)",
+                shade_above=(CPU_BOUND_ABOVE_BPS / 1e9, "CPU-bound, not link numbers")
+                if any(r["cpu_bound"] for r in rows) else None)
     print(text)
 
 

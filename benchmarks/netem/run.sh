@@ -39,8 +39,8 @@ while (($#)); do
     *) echo "run.sh: unknown argument $1" >&2; usage 2 ;;
   esac
 done
-[[ $HOSTS =~ ^[1-9][0-9]*$ ]] && ((HOSTS >= 2 && HOSTS <= 200)) || { echo "run.sh: --hosts must be 2..200" >&2; exit 2; }
-[[ $TIMEOUT =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: --timeout must be a whole number of seconds" >&2; exit 2; }
+[[ $HOSTS =~ ^[1-9][0-9]{0,2}$ ]] && ((HOSTS >= 2 && HOSTS <= 200)) || { echo "run.sh: --hosts must be 2..200" >&2; exit 2; }
+[[ $TIMEOUT =~ ^[1-9][0-9]{0,6}$ ]] || { echo "run.sh: --timeout must be a whole number of seconds" >&2; exit 2; }
 [[ $PREFIX =~ ^[a-z0-9-]{1,12}$ ]] || { echo "run.sh: --prefix must be 1-12 of [a-z0-9-]" >&2; exit 2; }
 [[ -n $DRY || $EUID == 0 ]] || { echo "run.sh: needs root (network namespaces, tc); --dry-run needs none" >&2; exit 2; }
 
@@ -67,7 +67,13 @@ rate_bps() {
 
 IFS=, read -ra RATE_LIST <<<"$RATES"
 ((${#RATE_LIST[@]})) || { echo "run.sh: --rate needs at least one rate (e.g. 500mbit,1gbit)" >&2; exit 2; }
-for rate in "${RATE_LIST[@]}"; do rate_bps "$rate" >/dev/null; done
+# a rate given twice (1gbit,1000mbit) would run twice and be reported twice, or write one JSON twice
+declare -A SEEN_BPS=()
+for rate in "${RATE_LIST[@]}"; do
+  bps=$(rate_bps "$rate")
+  [[ -z ${SEEN_BPS[$bps]:-} ]] || { echo "run.sh: --rate gives $rate and ${SEEN_BPS[$bps]}, one rate twice" >&2; exit 2; }
+  SEEN_BPS[$bps]=$rate
+done
 
 # tbf needs a bucket of at least ~4 ms of traffic (and 256 KB), or TCP throughput collapses; the
 # queue holds 100 ms so that the shaper delays packets rather than dropping them.
@@ -102,7 +108,9 @@ teardown() {
 
 cleanup() {
   local status=$?
-  trap - EXIT INT TERM
+  # a second Ctrl-C (or TERM) must not cut the teardown short and leave the ranks running
+  trap - EXIT
+  trap '' INT TERM HUP
   # a reader of the output that is gone (Ctrl-C on `run.sh | tee log`) must not end the teardown
   trap '' PIPE
   teardown || ((status)) || status=1  # the ranks too: they are the namespaces' processes
@@ -115,7 +123,9 @@ cleanup() {
 # ends (the ranks do not hold it: a killed run's ranks are leftovers for the next run to kill). It
 # is taken before the exit trap is set, which would tear down the running one's namespaces.
 if [[ -z $DRY ]]; then
-  command -v flock >/dev/null || { echo "run.sh: needs flock (util-linux)" >&2; exit 2; }
+  for tool in ip tc flock timeout; do
+    command -v "$tool" >/dev/null || { echo "run.sh: needs $tool (iproute2, util-linux, coreutils)" >&2; exit 2; }
+  done
   exec {lock}>>"/run/gradsync-netem-$PREFIX.lock" ||
     { echo "run.sh: cannot create /run/gradsync-netem-$PREFIX.lock" >&2; exit 2; }
   flock -n "$lock" ||
@@ -142,6 +152,7 @@ setup() {
 # One process per host; rank 0 writes the JSON. Any rank failing or timing out fails the run.
 bench() {
   local rate=$1 i failed=0 cmd log pids=()
+  run rm -f "$OUT/rate-$rate.json"  # an earlier run's, which must never pass for this one's
   for ((i = 0; i < HOSTS; i++)); do
     cmd=(ip netns exec "$(host $i)" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
       MASTER_ADDR="$(addr 0)" MASTER_PORT=$MASTER_PORT GLOO_SOCKET_IFNAME=eth0
@@ -165,6 +176,10 @@ bench() {
     exit 1
   fi
   run cat "$OUT/rank0-$rate.log"
+  if [[ -z $DRY && ! -s $OUT/rate-$rate.json ]]; then
+    echo "run.sh: rank 0 wrote no $OUT/rate-$rate.json at $rate (did the arguments after -- stop the benchmark?)" >&2
+    exit 1
+  fi
 }
 
 # The default folder is a new one (mktemp -d: mode 0700), never a fixed name in a shared /tmp that
