@@ -188,6 +188,14 @@ def test_two_hosts_for_real(prefix, tmp_path):
     assert [r["impl"] for r in rows] == ["torch fp32", "gradsync fp16"] and all(r["time_ms"] > 0 for r in rows)
 
 
+def wait_until_the_ranks_start(proc, last_log):
+    deadline = time.monotonic() + 60
+    while not last_log.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the ranks are starting
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
 def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
     failing = run_sh("--prefix", prefix, "--out", str(tmp_path), "--hosts", "2", "--", "--no-such-flag", timeout=120)
     assert failing.returncode == 1 and "a rank failed" in failing.stderr
@@ -204,11 +212,7 @@ def test_a_failing_or_interrupted_run_leaves_nothing_behind(prefix, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "rank1-1gbit.log").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1.0)  # the ranks are starting
-        assert proc.poll() is None, "the run ended before it could be interrupted"
+        wait_until_the_ranks_start(proc, tmp_path / "rank1-1gbit.log")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
@@ -240,11 +244,7 @@ def test_ctrl_c_pressed_again_during_the_teardown_does_not_cut_it_short(prefix, 
     proc = subprocess.Popen(["bash", RUN_SH, "--prefix", prefix, "--out", str(tmp_path), *endless], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=own_session_with_sigint)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "rank2-1gbit.log").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1.0)  # the ranks are starting
-        assert proc.poll() is None, "the run ended before it could be interrupted"
+        wait_until_the_ranks_start(proc, tmp_path / "rank2-1gbit.log")
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, again and again
             try:
