@@ -601,8 +601,11 @@ def _refusal(group, tensor, checked, op, why):
             if torch.cuda.is_current_stream_capturing():
                 return None
     placeholder = torch.empty(0, dtype=torch.float32, device=device)
-    return AllReduceWork(_submit(group, placeholder, lambda engine: engine.refuse(
-        placeholder, op, checked, _slice_bytes(engine, placeholder), why)), placeholder)
+    work = _submit(group, placeholder, lambda engine: engine.refuse(
+        placeholder, op, checked, _slice_bytes(engine, placeholder), why))
+    with _locked():
+        _refusals[:] = [(g, w) for g, w in _refusals if not w.is_completed()] + [(group, work)]
+    return AllReduceWork(work, placeholder)
 
 
 def _refusal_device(backend, nccl_device, tensor_device):
@@ -791,7 +794,8 @@ def shutdown():
     """Finishes every issued all-reduce and releases gradsync's per-group engines (threads, workspaces).
 
     Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
-    a future's callback, which runs on gradsync's thread: that raises); it also runs at exit. A group that
+    a future's callback, which runs on gradsync's thread: that raises); it also runs at exit, where
+    a group whose refused call (a failed step's turn) still waits is let go of unfinished. A group that
     torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
     process's end), since tearing down a gloo group whose peers are gone can block. A group whose
     ring a failure left unusable stays so: later calls on it raise, as they did before. A call
@@ -866,6 +870,7 @@ def _forget_engines_in_forked_child():
     _engines.clear()
     _stopping.clear()
     _to_stop.clear()
+    _refusals.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread
     _engines_lock, _attach_locks = threading.RLock(), weakref.WeakKeyDictionary()
     _stopped = threading.Condition(_engines_lock)
@@ -874,11 +879,22 @@ def _forget_engines_in_forked_child():
 
 
 _exiting = False
+# (group, work) of the refusals not known to be over: a checked refusal waits for its peers' checks,
+# which peers already in an unchecked call (a DataParallel step after its first) never send
+_refusals = []
 
 
 def _shutdown_at_exit():
+    """shutdown(), except for the groups where a refusal is still waiting: the process ending tells
+    those peers (their connections close), as a refusal would have, while waiting would hold the
+    exit until the group's timeout. Their engines are let go of on a thread of their own."""
     global _exiting
     _exiting = True
+    with _locked():
+        waiting = {g for g, work in _refusals if not work.is_completed()}
+        engines = [_engines.pop(g) for g in list(_engines) if g in waiting]
+    if engines:
+        _C._release_engines(engines)
     shutdown()
 
 

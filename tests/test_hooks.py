@@ -8,6 +8,8 @@ import hashlib
 import io
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -2124,6 +2126,59 @@ def test_a_backward_that_raises_on_one_rank_takes_its_buckets_turns(first):
     else:
         assert zero[0] == one[0] and "backward failed" in one[1], (zero, one)
         assert all(s.startswith(("RuntimeError", "ValueError")) for s in zero[1:] + one[2:]), (zero, one)
+
+
+CRASHING_RANK = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+import gradsync
+rank, init, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+torch.manual_seed(0)
+net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+model = gradsync.DataParallel(net, codec="fp8_e4m3", error_feedback=True, bucket_cap_mb=0.01)
+assert len(model.buckets) > 1
+for step in range(4):
+    if step == 2 and rank == 1:  # in the middle of the backward, the last layer's buckets sent
+        net[1].weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory, say")))
+    model.zero_grad()
+    try:
+        model(torch.randn(8, 64)).square().mean().backward()
+    except RuntimeError:
+        if mode == "exits":
+            raise
+        sys.exit(1)  # the error logged, say
+    print("step", step, "done", flush=True)
+print("exits at", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["exits", "sys_exit"], ids=["uncaught", "sys_exit"])
+def test_a_rank_whose_backward_raises_exits_at_once_and_its_peer_fails(mode, tmp_path):
+    # the buckets rank 1 did not send are refused; a refusal waits for the peers' checks, which
+    # rank 0, in an unchecked call, never sends: the exit waited for it until the group's
+    # timeout (2 minutes here, 30 by default), and rank 0 with it
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_RANK)
+    init = tmp_path / "rendezvous"
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(init), mode], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outs = [proc.communicate(timeout=100) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    took = time.monotonic() - start
+    assert "out of memory, say" in outs[1][1] or mode == "sys_exit", outs[1][1][-2000:]
+    assert procs[1].returncode == 1 and "step 1 done" in outs[1][0] and "step 2 done" not in outs[1][0]
+    assert procs[0].returncode != 0 and "step 2 done" not in outs[0][0], outs[0]  # it failed, not summed alone
+    assert took < 60, f"the ranks took {took:.0f} s to end"
 
 
 def test_data_parallel_at_the_edges_of_a_step(worlds):
