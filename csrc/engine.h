@@ -97,6 +97,13 @@ class RingEngine {
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
+  // At exit, for a group whose queued calls wait for peers that will never answer (the process's
+  // end fails those peers): the calls in flight over the process group end, raising, as do the
+  // ones queued, then the worker ends. A call over the NCCL communicator is waited for as stop() does.
+  void abort_calls() {
+    transport_.abort();
+    stop();
+  }
   // Drops this engine's reference to a group that torch.distributed destroyed while its peers go on,
   // so that the backend's threads and sockets go with it. Once stopped; no call may follow
   // (_release_engines in the bindings).

@@ -1186,7 +1186,8 @@ class DataParallel(torch.nn.Module, Joinable):
         which every rank checks, the peers then raise naming this rank; later calls are not checked,
         so the peers fail at the group's timeout rather than sum another step, as do this rank's
         next calls, queued behind the refusals. Where every rank's backward raised alike, every
-        rank refuses the same buckets, which fails nothing. Nothing waits for the refusals here."""
+        rank refuses the same buckets, which fails nothing. Nothing waits for the refusals here, nor
+        does the process's exit, where the peers' calls went unchecked: its end fails them at once."""
         if not self._in_backward or self._unsent_refused:
             return
         self._unsent_refused = True
@@ -1194,6 +1195,7 @@ class DataParallel(torch.nn.Module, Joinable):
             if bucket.work is None:
                 with contextlib.suppress(Exception):  # a refusal raises at its wait(), which nothing calls
                     _refusal(self.process_group, bucket.buffer, checked=True, op=_ALL_REDUCE,
+                             peers_unchecked=self._checked,
                              why=f"gradsync.DataParallel: rank {self.process_group.rank()}'s backward ended before it "
                                  f"sent bucket {k} of the step (it raised there), and the step is abandoned")
 

@@ -586,10 +586,12 @@ def _refuse(group, tensor, check_call, op, error):
         pass
 
 
-def _refusal(group, tensor, checked, op, why):
+def _refusal(group, tensor, checked, op, why, peers_unchecked=False):
     """This rank's turn in a call it does not make: with ``checked``, the peers' agreement check
     raises ``why`` on every rank; without, this rank's ring becomes unusable (its peers, already in
-    the ring, time out). Returns the call's handle, whose wait() raises ``why`` (None on one rank)."""
+    the ring, time out). Returns the call's handle, whose wait() raises ``why`` (None on one rank).
+    ``peers_unchecked``: the peers may be making the call unchecked, so that a checked refusal waits
+    for checks they never send, until the group's timeout; the exit does not wait for it."""
     group = _resolve_group(group)
     if group.size() == 1:
         return None
@@ -603,8 +605,9 @@ def _refusal(group, tensor, checked, op, why):
     placeholder = torch.empty(0, dtype=torch.float32, device=device)
     work = _submit(group, placeholder, lambda engine: engine.refuse(
         placeholder, op, checked, _slice_bytes(engine, placeholder), why))
-    with _locked():
-        _refusals[:] = [(g, w) for g, w in _refusals if not w.is_completed()] + [(group, work)]
+    if checked and peers_unchecked:
+        with _locked():
+            _unanswered[group] = [w for w in _unanswered.get(group, ()) if not w.is_completed()] + [work]
     return AllReduceWork(work, placeholder)
 
 
@@ -795,7 +798,8 @@ def shutdown():
 
     Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit, where
-    a group whose refused call (a failed step's turn) still waits is let go of unfinished. A group that
+    a group whose DataParallel step failed here after its peers' calls went unchecked (their checks
+    never come) is let go of unfinished. A group that
     torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
     process's end), since tearing down a gloo group whose peers are gone can block. A group whose
     ring a failure left unusable stays so: later calls on it raise, as they did before. A call
@@ -870,7 +874,7 @@ def _forget_engines_in_forked_child():
     _engines.clear()
     _stopping.clear()
     _to_stop.clear()
-    _refusals.clear()
+    _unanswered.clear()
     # a lock another thread of the parent held stays held in the child, whose copy has no such thread
     _engines_lock, _attach_locks = threading.RLock(), weakref.WeakKeyDictionary()
     _stopped = threading.Condition(_engines_lock)
@@ -879,22 +883,26 @@ def _forget_engines_in_forked_child():
 
 
 _exiting = False
-# (group, work) of the refusals not known to be over: a checked refusal waits for its peers' checks,
-# which peers already in an unchecked call (a DataParallel step after its first) never send
-_refusals = []
+# group -> its checked refusals whose peers may be in an unchecked call (a DataParallel step after
+# its first), and so never answer: they wait until the group's timeout
+_unanswered = weakref.WeakKeyDictionary()
 
 
 def _shutdown_at_exit():
-    """shutdown(), except for the groups where a refusal is still waiting: the process ending tells
-    those peers (their connections close), as a refusal would have, while waiting would hold the
-    exit until the group's timeout. Their engines are let go of on a thread of their own."""
+    """shutdown(), except for the groups where such a refusal still waits: the process ending fails
+    those peers at once (their connections close), while waiting would hold the exit until the
+    group's timeout. Their calls end now, raising, and their groups are kept to the process's end
+    (a gloo group torn down with its peers waiting can block). A group with gradsync's NCCL
+    communicator is waited for, as before."""
     global _exiting
     _exiting = True
     with _locked():
-        waiting = {g for g, work in _refusals if not work.is_completed()}
-        engines = [_engines.pop(g) for g in list(_engines) if g in waiting]
-    if engines:
-        _C._release_engines(engines)
+        waiting = [g for g, works in _unanswered.items() if not all(w.is_completed() for w in works)]
+        engines = [_engines.pop(g) for g in waiting if g in _engines and _engines[g].nccl_device < 0]
+        _unanswered.clear()
+    for engine in engines:
+        engine.abort_calls()
+        engine.abandon_group()
     shutdown()
 
 

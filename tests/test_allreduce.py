@@ -886,6 +886,41 @@ def test_exit_after_the_group_is_destroyed_does_not_hang():
         assert world.close(), "a rank did not exit by itself"
 
 
+EXITS_AFTER_A_BAD_CALL = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist, gradsync
+rank = int(sys.argv[1])
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+t = torch.full((1000,), float(rank + 1))
+if rank == 1:
+    time.sleep(2)  # rank 0 has exited by now, but for the calls it issued
+try:
+    gradsync.all_reduce(torch.zeros(10, dtype=torch.float64) if rank == 0 else torch.zeros(10))
+except (TypeError, ValueError) as error:
+    print(type(error).__name__, error, flush=True)
+gradsync.all_reduce(t, op="sum", async_op=rank == 0)
+print("sum", t[0].item(), flush=True)
+"""
+
+
+def test_the_exit_finishes_the_calls_issued_after_a_refused_one(tmp_path):
+    # rank 0 refuses a call (its peers check it), issues another and exits: its exit waits for both,
+    # so rank 1 learns why the first failed, and sums the second
+    procs = [subprocess.Popen([sys.executable, "-c", EXITS_AFTER_A_BAD_CALL, str(rank)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outs = [proc.communicate(timeout=100)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    assert "group rank(s) 0 could not prepare the call" in outs[1] and "sum 3.0" in outs[1], outs
+
+
 FORKED_CHILD = """
 import os, sys, time, torch, torch.distributed as dist, gradsync
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)

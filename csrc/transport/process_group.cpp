@@ -19,10 +19,19 @@ std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
     return its_own;
   }
 }
+
+constexpr const char* kAborted = "gradsync: the group's calls were abandoned as the process exits";
+
+// A work's wait returns false once abort() ended it.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  if (!work->wait(timeout)) throw std::runtime_error(kAborted);
+}
 }  // namespace
 
 int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) throw std::runtime_error(kAborted);
   pending_.push_back(group_->send(tensors, peer, static_cast<int>(tag)));
   ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
@@ -30,26 +39,50 @@ int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, u
 
 int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) throw std::runtime_error(kAborted);
   pending_.push_back(group_->recv(tensors, peer, static_cast<int>(tag)));
   ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
 void ProcessGroupTransport::wait(int64_t handle) {
-  auto& work = pending_.at(static_cast<size_t>(handle));
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    work = pending_.at(static_cast<size_t>(handle));
+  }
   if (!work) return;
-  work->wait(current_timeout(*group_));
-  work.reset();
+  wait_for(work, current_timeout(*group_));
+  std::lock_guard<std::mutex> lock(mutex_);
+  pending_.at(static_cast<size_t>(handle)).reset();
 }
 
 void ProcessGroupTransport::wait_all() {
   const auto timeout = current_timeout(*group_);
-  for (auto& work : pending_) {
+  for (size_t i = 0;; ++i) {
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (i == pending_.size()) {
+        pending_.clear();
+        return;
+      }
+      work = pending_[i];
+    }
     if (!work) continue;
-    work->wait(timeout);
-    work.reset();
+    wait_for(work, timeout);
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_[i].reset();
   }
-  pending_.clear();
+}
+
+void ProcessGroupTransport::abort() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  aborted_ = true;
+  for (auto& work : pending_) {
+    if (work) work->abort();
+  }
 }
 
 }  // namespace gradsync

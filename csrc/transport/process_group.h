@@ -9,6 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <mutex>
 #include <vector>
 
 #include "ring/transport.h"
@@ -31,12 +32,17 @@ class ProcessGroupTransport : public Transport {
     pending_.clear();
     group_.reset();
   }
+  // From any thread: the messages in flight end (their waits throw), and later ones are refused.
+  // For calls whose peers will never answer, which the process ends without.
+  void abort();
   // How many messages were ever posted: unchanged across a failed call means none is in flight.
   int64_t posted() const { return posted_; }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_, size_;
+  std::mutex mutex_;  // pending_ and aborted_, against abort() from another thread
+  bool aborted_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
   int64_t posted_ = 0;
 };
