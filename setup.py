@@ -29,7 +29,9 @@ if int(setuptools.__version__.split(".")[0]) < 77:
 
 # `setup.py sdist` (also what `python -m build --sdist` runs) only packs the sources: no torch needed
 BUILDS = {"build", "build_ext", "build_py", "bdist", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
-VALUED = {"-d", "--dist-dir", "--formats", "-t", "--template", "-m", "--manifest", "-u", "--owner", "-g", "--group"}
+VALUED = {"-d", "--dist-dir", "--formats", "-t", "--template", "-m", "--manifest", "-u", "--owner", "-g", "--group",
+          "-e", "--egg-base", "-b", "--bdist-dir", "--tag-build", "-p", "--plat-name", "--python-tag",
+          "--build-number", "--output-dir", "--mode"}
 COMMANDS = [a for before, a in zip(sys.argv, sys.argv[1:]) if not a.startswith("-") and before not in VALUED]
 MAKING_SDIST = "sdist" in COMMANDS  # in any place: `bdist_wheel sdist` must not stamp a flavour on the sdist
 if MAKING_SDIST and BUILDS.intersection(COMMANDS):

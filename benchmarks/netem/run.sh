@@ -109,8 +109,8 @@ teardown() {
 cleanup() {
   local status=$?
   # a second Ctrl-C (or TERM) must not cut the teardown short and leave the ranks running
-  trap - EXIT
   trap '' INT TERM HUP
+  trap - EXIT
   # a reader of the output that is gone (Ctrl-C on `run.sh | tee log`) must not end the teardown
   trap '' PIPE
   teardown || ((status)) || status=1  # the ranks too: they are the namespaces' processes
@@ -131,7 +131,13 @@ if [[ -z $DRY ]]; then
   flock -n "$lock" ||
     { echo "run.sh: another run with prefix $PREFIX is in progress (give this one another --prefix)" >&2; exit 2; }
 fi
-[[ -n $DRY ]] || { trap cleanup EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; }
+# each signal's trap ignores the next ones first: one landing before cleanup ignores them would
+# exit from inside the trap, the teardown never run
+if [[ -z $DRY ]]; then
+  trap cleanup EXIT
+  trap "trap '' INT TERM HUP; exit 130" INT
+  trap "trap '' INT TERM HUP; exit 143" TERM
+fi
 
 setup() {
   local i h
