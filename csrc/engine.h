@@ -99,7 +99,8 @@ class RingEngine {
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
   // At exit, for a group whose queued calls wait for peers that will never answer (the process's
   // end fails those peers): the calls in flight over the process group end, raising, as do the
-  // ones queued, then the worker ends. A call over the NCCL communicator is waited for as stop() does.
+  // ones queued, then the worker ends. A call over the NCCL communicator, or a message its backend
+  // cannot abort, is waited for as stop() does.
   void abort_calls() {
     transport_.abort();
     stop();

@@ -898,11 +898,24 @@ def _shutdown_at_exit():
     _exiting = True
     with _locked():
         waiting = [g for g, works in _unanswered.items() if not all(w.is_completed() for w in works)]
-        engines = [_engines.pop(g) for g in waiting if g in _engines and _engines[g].nccl_device < 0]
+        # as shutdown() stops them: a callback's call on the group goes to the aborted engine, and fails
+        aborting = [g for g in waiting if g in _engines and _engines[g].nccl_device < 0]
+        for group in aborting:
+            _stopping[group] = _engines.pop(group)
         _unanswered.clear()
-    for engine in engines:
-        engine.abort_calls()
-        engine.abandon_group()
+    for group in aborting:
+        engine = _stopping[group]
+        try:
+            engine.abort_calls()
+            engine.abandon_group()
+        except Exception:  # noqa: BLE001 - shutdown() below must run whatever this group did
+            pass
+        finally:
+            with _locked():
+                _broken[group] = engine.broken or "gradsync: the group's calls were abandoned as the process exits"
+                _sequences[group] = engine.sequence
+                del _stopping[group]
+                _stopped.notify_all()
     shutdown()
 
 

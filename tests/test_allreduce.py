@@ -921,6 +921,78 @@ def test_the_exit_finishes_the_calls_issued_after_a_refused_one(tmp_path):
     assert "group rank(s) 0 could not prepare the call" in outs[1] and "sum 3.0" in outs[1], outs
 
 
+CALLS_FROM_A_REFUSALS_CALLBACK = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist, gradsync
+from gradsync.distributed import _refusal
+rank = int(sys.argv[1])
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+gradsync.all_reduce(torch.ones(10))
+if rank == 1:  # DataParallel's turn for a bucket it did not send, its peer in the unchecked call
+    work = _refusal(None, torch.ones(10), checked=True, op=0, why="refused here", peers_unchecked=True)
+    work.get_future().then(lambda _: gradsync.all_reduce(torch.ones(10), async_op=True))
+    sys.exit(3)
+try:
+    gradsync.all_reduce(torch.ones(100000), check_call=False)
+except RuntimeError as error:
+    print("failed:", error, flush=True)
+"""
+
+
+def test_a_call_from_the_callback_of_a_refusal_abandoned_at_exit_fails_at_once(tmp_path):
+    # the exit ends the refusal's calls; a callback's call on the group goes to that engine and fails,
+    # rather than start a new engine whose call the exit would wait for until the group's timeout
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", CALLS_FROM_A_REFUSALS_CALLBACK, str(rank)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outs = [proc.communicate(timeout=100)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 3] and "failed:" in outs[0], outs
+    assert time.monotonic() - start < 40
+
+
+def python_made_group(rank, size):
+    """A process group made in Python, as fault-tolerance libraries wrap one: its works' wait()
+    returns None, which is no abort."""
+    inner = dist.new_group(list(range(size)))
+
+    class Work(dist.Work):
+        def __init__(self, work):
+            super().__init__()
+            self.work = work
+
+        def wait(self, timeout=datetime.timedelta(0)):
+            self.work.wait()
+
+    class Wrapped(dist.ProcessGroup):
+        def __init__(self):
+            super().__init__(rank, size)
+
+        def send(self, tensors, dst, tag=0):
+            return Work(inner.send(tensors, dst, tag))
+
+        def recv(self, tensors, src, tag=0):
+            return Work(inner.recv(tensors, src, tag))
+
+        def getBackendName(self):
+            return "wrapped-gloo"
+
+    x = torch.full((1000,), rank + 1.0)
+    gradsync.all_reduce(x, op="sum", group=Wrapped())
+    return x.unique().tolist()
+
+
+def test_a_process_group_made_in_python_carries_the_ring(worlds):
+    assert worlds(2).run(python_made_group) == [[3.0], [3.0]]
+
+
 FORKED_CHILD = """
 import os, sys, time, torch, torch.distributed as dist, gradsync
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)

@@ -21,12 +21,15 @@ std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
 }
 
 constexpr const char* kAborted = "gradsync: the group's calls were abandoned as the process exits";
-
-// A work's wait returns false once abort() ended it.
-void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
-  if (!work->wait(timeout)) throw std::runtime_error(kAborted);
-}
 }  // namespace
+
+// A work's wait returns false once abort() ended it (a backend of Python's may return false, or
+// None, for a plain success: only an abort counts).
+void ProcessGroupTransport::wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  if (work->wait(timeout)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) throw std::runtime_error(kAborted);
+}
 
 int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
@@ -81,7 +84,10 @@ void ProcessGroupTransport::abort() {
   std::lock_guard<std::mutex> lock(mutex_);
   aborted_ = true;
   for (auto& work : pending_) {
-    if (work) work->abort();
+    try {
+      if (work) work->abort();
+    } catch (const std::exception&) {  // torch's base Work cannot abort: that wait runs to its end
+    }
   }
 }
 

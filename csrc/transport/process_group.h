@@ -9,6 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <mutex>
 #include <vector>
 
@@ -41,6 +42,8 @@ class ProcessGroupTransport : public Transport {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_, size_;
+  void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout);
+
   std::mutex mutex_;  // pending_ and aborted_, against abort() from another thread
   bool aborted_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
