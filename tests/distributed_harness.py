@@ -10,6 +10,7 @@ import importlib
 import multiprocessing
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import traceback
@@ -97,3 +98,18 @@ class World:
             conn.close()
         shutil.rmtree(self.folder, ignore_errors=True)
         return clean
+
+
+def run_processes(commands, cwd, timeout=100):
+    """Runs the commands at once (one per rank of a world they make themselves) and returns each
+    one's (returncode, stdout, stderr); any still running after ``timeout`` seconds is killed."""
+    procs = [subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command in commands]
+    try:
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outs)]

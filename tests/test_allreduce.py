@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from distributed_harness import World
+from distributed_harness import World, run_processes
 from gradsync.distributed import _refusal_device, resolve_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -908,17 +908,9 @@ print("sum", t[0].item(), flush=True)
 def test_the_exit_finishes_the_calls_issued_after_a_refused_one(tmp_path):
     # rank 0 refuses a call (its peers check it), issues another and exits: its exit waits for both,
     # so rank 1 learns why the first failed, and sums the second
-    procs = [subprocess.Popen([sys.executable, "-c", EXITS_AFTER_A_BAD_CALL, str(rank)], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    try:
-        outs = [proc.communicate(timeout=100)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 0], outs
-    assert "group rank(s) 0 could not prepare the call" in outs[1] and "sum 3.0" in outs[1], outs
+    ranks = run_processes([[sys.executable, "-c", EXITS_AFTER_A_BAD_CALL, str(rank)] for rank in range(2)], tmp_path)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    assert "group rank(s) 0 could not prepare the call" in ranks[1][1] and "sum 3.0" in ranks[1][1], ranks
 
 
 CALLS_FROM_A_REFUSALS_CALLBACK = """
@@ -945,16 +937,9 @@ def test_a_call_from_the_callback_of_a_refusal_abandoned_at_exit_fails_at_once(t
     # the exit ends the refusal's calls; a callback's call on the group goes to that engine and fails,
     # rather than start a new engine whose call the exit would wait for until the group's timeout
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", CALLS_FROM_A_REFUSALS_CALLBACK, str(rank)], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    try:
-        outs = [proc.communicate(timeout=100)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 3] and "failed:" in outs[0], outs
+    ranks = run_processes([[sys.executable, "-c", CALLS_FROM_A_REFUSALS_CALLBACK, str(rank)] for rank in range(2)],
+                          tmp_path)
+    assert [code for code, _, _ in ranks] == [0, 3] and "failed:" in ranks[0][1], ranks
     assert time.monotonic() - start < 40
 
 

@@ -8,7 +8,6 @@ import hashlib
 import io
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
-from distributed_harness import World
+from distributed_harness import World, run_processes
 from gradsync import hooks
 
 BUCKET_MB = 0.01  # several buckets even for these small models
@@ -2165,19 +2164,12 @@ def test_a_rank_whose_backward_raises_exits_at_once_and_its_peer_fails(mode, tmp
     script.write_text(CRASHING_RANK)
     init = tmp_path / "rendezvous"
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(init), mode], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    try:
-        outs = [proc.communicate(timeout=100) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    (code0, out0, _), (code1, out1, err1) = run_processes(
+        [[sys.executable, str(script), str(rank), str(init), mode] for rank in range(2)], tmp_path)
     took = time.monotonic() - start
-    assert "out of memory, say" in outs[1][1] or mode == "sys_exit", outs[1][1][-2000:]
-    assert procs[1].returncode == 1 and "step 1 done" in outs[1][0] and "step 2 done" not in outs[1][0]
-    assert procs[0].returncode != 0 and "step 2 done" not in outs[0][0], outs[0]  # it failed, not summed alone
+    assert "out of memory, say" in err1 or mode == "sys_exit", err1[-2000:]
+    assert code1 == 1 and "step 1 done" in out1 and "step 2 done" not in out1
+    assert code0 != 0 and "step 2 done" not in out0, out0  # it failed, not summed alone
     assert took < 60, f"the ranks took {took:.0f} s to end"
 
 
