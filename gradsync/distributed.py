@@ -798,8 +798,8 @@ def shutdown():
 
     Call it before ``torch.distributed.destroy_process_group()``, from a thread of your own (not in
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit, where
-    a group whose DataParallel step failed here after its peers' calls went unchecked (their checks
-    never come) is let go of unfinished. A group that
+    the calls of a group whose DataParallel step failed here after its peers' calls went unchecked
+    (their checks never come) are ended, not waited for. A group that
     torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
     process's end), since tearing down a gloo group whose peers are gone can block. A group whose
     ring a failure left unusable stays so: later calls on it raise, as they did before. A call

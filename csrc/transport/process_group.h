@@ -40,10 +40,10 @@ class ProcessGroupTransport : public Transport {
   int64_t posted() const { return posted_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  int rank_, size_;
   void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout);
 
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_, size_;
   std::mutex mutex_;  // pending_ and aborted_, against abort() from another thread
   bool aborted_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_;  // index = handle; null once waited for
