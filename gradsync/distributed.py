@@ -841,14 +841,7 @@ def _stop_engines():
         try:
             engine.stop()
         finally:
-            with _locked():  # why it is unusable, before a new engine can be made for the group
-                try:
-                    if engine.broken:
-                        _broken[group] = engine.broken
-                    _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
-                finally:  # even under a KeyboardInterrupt: the calls waiting for the group would wait forever
-                    del _stopping[group]
-                    _stopped.notify_all()
+            _settle_stopped(group, engine)
         if not _group_is_live(group):
             # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
             # group whose peers are gone can block), or at exit leave it to the process's end
@@ -856,6 +849,19 @@ def _stop_engines():
                 engine.abandon_group()
             else:
                 _C._release_engines([engine])
+
+
+def _settle_stopped(group, engine, why=None):
+    """The bookkeeping of a group whose engine has stopped: why it is unusable (``why`` where the
+    engine does not say), before a new engine can be made for it, and its calls so far."""
+    with _locked():
+        try:
+            if engine.broken or why:
+                _broken[group] = engine.broken or why
+            _sequences[group] = engine.sequence  # a later engine's calls pair with the peers' next ones
+        finally:  # even under a KeyboardInterrupt: the calls waiting for the group would wait forever
+            del _stopping[group]
+            _stopped.notify_all()
 
 
 def _forget_engines_in_forked_child():
@@ -911,11 +917,7 @@ def _shutdown_at_exit():
         except Exception:  # noqa: BLE001 - shutdown() below must run whatever this group did
             pass
         finally:
-            with _locked():
-                _broken[group] = engine.broken or "gradsync: the group's calls were abandoned as the process exits"
-                _sequences[group] = engine.sequence
-                del _stopping[group]
-                _stopped.notify_all()
+            _settle_stopped(group, engine, "gradsync: the group's calls were abandoned as the process exits")
     shutdown()
 
 

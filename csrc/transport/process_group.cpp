@@ -49,35 +49,31 @@ int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
-void ProcessGroupTransport::wait(int64_t handle) {
+// The work is copied out under the lock and waited for without it, so that abort() can reach it.
+void ProcessGroupTransport::wait_one(size_t handle, std::chrono::milliseconds timeout) {
   c10::intrusive_ptr<c10d::Work> work;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    work = pending_.at(static_cast<size_t>(handle));
+    work = pending_.at(handle);
   }
   if (!work) return;
-  wait_for(work, current_timeout(*group_));
+  wait_for(work, timeout);
   std::lock_guard<std::mutex> lock(mutex_);
-  pending_.at(static_cast<size_t>(handle)).reset();
+  pending_[handle].reset();
 }
+
+void ProcessGroupTransport::wait(int64_t handle) { wait_one(static_cast<size_t>(handle), current_timeout(*group_)); }
 
 void ProcessGroupTransport::wait_all() {
   const auto timeout = current_timeout(*group_);
-  for (size_t i = 0;; ++i) {
-    c10::intrusive_ptr<c10d::Work> work;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (i == pending_.size()) {
-        pending_.clear();
-        return;
-      }
-      work = pending_[i];
-    }
-    if (!work) continue;
-    wait_for(work, timeout);
+  size_t posted;  // only this (the worker's) thread posts
+  {
     std::lock_guard<std::mutex> lock(mutex_);
-    pending_[i].reset();
+    posted = pending_.size();
   }
+  for (size_t i = 0; i < posted; ++i) wait_one(i, timeout);
+  std::lock_guard<std::mutex> lock(mutex_);
+  pending_.clear();
 }
 
 void ProcessGroupTransport::abort() {

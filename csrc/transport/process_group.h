@@ -41,6 +41,7 @@ class ProcessGroupTransport : public Transport {
 
  private:
   void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout);
+  void wait_one(size_t handle, std::chrono::milliseconds timeout);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_, size_;
