@@ -649,6 +649,7 @@ void bind_ring(pybind11::module& m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, uint32_t>(), py::arg("group"), py::arg("first_sequence") = 0)
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def("abandon_group", &RingEngine::abandon_group)
+      .def("release_group", &RingEngine::release_group, py::call_guard<py::gil_scoped_release>())
       .def("abort_calls", &RingEngine::abort_calls, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("sequence", &RingEngine::sequence)
       .def_property_readonly("on_own_worker_thread", &RingEngine::on_own_worker_thread)

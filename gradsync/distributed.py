@@ -800,8 +800,9 @@ def shutdown():
     a future's callback, which runs on gradsync's thread: that raises); it also runs at exit, where
     the calls of a group whose DataParallel step failed here after its peers' calls went unchecked
     (their checks never come) are ended, not waited for. A group that
-    torch.distributed has already destroyed is let go of on a thread of its own (at exit: left to the
-    process's end), since tearing down a gloo group whose peers are gone can block. A group whose
+    torch.distributed has already destroyed is let go of on a thread of its own, since tearing down a
+    gloo group whose peers are gone can block (at exit: here, unless a call failed on it, which
+    leaves it to the process's end). A group whose
     ring a failure left unusable stays so: later calls on it raise, as they did before. A call
     issued meanwhile from another thread on a group whose calls shutdown() is finishing waits for
     them, then starts
@@ -844,11 +845,16 @@ def _stop_engines():
             _settle_stopped(group, engine)
         if not _group_is_live(group):
             # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
-            # group whose peers are gone can block), or at exit leave it to the process's end
-            if _exiting:
+            # group whose peers are gone can block). At exit, here, before the interpreter finalizes,
+            # as destroy_process_group() would have (the backend's threads, left running into the
+            # finalization, abort the process where one takes the GIL), unless a call failed on it:
+            # then it is left to the process's end
+            if not _exiting:
+                _C._release_engines([engine])
+            elif engine.broken:
                 engine.abandon_group()
             else:
-                _C._release_engines([engine])
+                engine.release_group()
 
 
 def _settle_stopped(group, engine, why=None):

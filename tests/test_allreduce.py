@@ -943,6 +943,39 @@ def test_a_call_from_the_callback_of_a_refusal_abandoned_at_exit_fails_at_once(t
     assert time.monotonic() - start < 40
 
 
+DESTROYS_ITS_GROUP_WITHOUT_SHUTDOWN = """
+import atexit, datetime, os, sys
+
+
+def backend_threads_at_the_end():  # registered before gradsync's exit handler, so it runs after it
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    print("gloo threads:", sorted(name for name in names if "gloo" in name), flush=True)
+
+
+atexit.register(backend_threads_at_the_end)
+import torch, torch.distributed as dist, gradsync
+rank = int(sys.argv[1])
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+t = torch.ones(1000)
+for _ in range(3):
+    gradsync.all_reduce(t)
+    dist.all_reduce(t)
+dist.destroy_process_group()  # without gradsync.shutdown() first
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names from /proc")
+def test_a_group_destroyed_without_shutdown_is_torn_down_before_the_interpreter_finalizes(tmp_path):
+    # gradsync kept the group to the process's end, so gloo's threads ran on into the interpreter's
+    # finalization, where one that took the GIL aborted the process (about one run in 13)
+    ranks = run_processes([[sys.executable, "-c", DESTROYS_ITS_GROUP_WITHOUT_SHUTDOWN, str(rank)] for rank in range(2)],
+                          tmp_path)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    assert all("gloo threads: []" in out for _, out, _ in ranks), ranks
+
+
 def python_made_group(rank, size):
     """A process group made in Python, as fault-tolerance libraries wrap one: its works' wait()
     returns None, which is no abort."""
