@@ -249,12 +249,13 @@ std::shared_ptr<RingWork> RingEngine::all_gather(at::Tensor output, at::Tensor i
 }
 
 void RingEngine::place_gather_input(const Job& job) const {
+  // below autograd, the views too: this thread has none of the caller's no_grad or inference mode
+  // (a view of a view made under no_grad would raise here), and the copy is the collective's raw
+  // write, which all_gather() has already accounted for
+  at::AutoDispatchBelowADInplaceOrView below;
   const at::Tensor& input = job.gather_input;  // both contiguous, of any shapes: their elements count
   at::Tensor own = job.tensor.view(-1).narrow(0, rank() * input.numel(), input.numel());
   if (input.numel() == 0 || own.data_ptr() == input.data_ptr()) return;
-  // below autograd: this thread has none of the caller's no_grad or inference mode, and the copy is
-  // the collective's raw write, which all_gather() has already accounted for
-  at::AutoDispatchBelowADInplaceOrView below;
   own.copy_(input.view(-1));
 }
 

@@ -601,12 +601,13 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
                 _refuse(group, tensor, check_call, op, error)
         raise
 
-    def copy_back(fut):  # on gradsync's thread of the node's group
+    def copy_back(fut):  # on gradsync's thread of the node's group, which has none of the caller's modes
         fut.value()  # raises the failed step's error, if any
-        if padded is not flat:
-            flat.copy_(padded[:flat.numel()])
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
+        with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
+            if padded is not flat:
+                flat.copy_(padded[:flat.numel()])
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
         if tensor.is_cuda:  # allocated on the caller's stream, last used on this one
             stream = torch.cuda.current_stream(tensor.device)
             for made in made_here:

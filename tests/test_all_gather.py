@@ -236,6 +236,27 @@ def test_the_collectives_write_as_torchs_in_place_collectives_do(worlds):
             assert all("rank(s) 0 could not prepare the call" in r for r in seen["refusals"]), seen["refusals"]
 
 
+def into_views_made_under_no_grad(rank, size):
+    """Gathers into a view of a Parameter made under no_grad (a flat view of a weight), as into the
+    Parameter itself; then a call in step."""
+    weight = torch.nn.Parameter(torch.zeros(size, 3))
+    with torch.no_grad():
+        flat = weight.view(-1)
+        gradsync.all_gather(flat, torch.full((3,), float(rank + 1)))
+        rows = weight[rank:]  # this rank's own chunk is the input: nothing to copy
+        gradsync.all_gather(weight.view(-1), rows[0].clone())
+    after = torch.empty(3 * size)
+    gradsync.all_gather(after, torch.ones(3))
+    return weight.detach().flatten().tolist(), after.tolist()
+
+
+def test_all_gather_writes_into_a_view_made_under_no_grad(worlds):
+    # the copy of the rank's own input ran on gradsync's thread, where grad mode is on: it raised, and
+    # the group's ring was unusable from then on
+    for gathered, after in worlds(2).run(into_views_made_under_no_grad):
+        assert gathered == [1.0] * 3 + [2.0] * 3 and after == [1.0] * 6
+
+
 def waited_in_another_groups_callback(rank, size):
     """A synchronous call in a callback on another group's thread is refused where the group has an
     engine (calls of two groups may wait for each other, as hierarchical_average's do); the peer

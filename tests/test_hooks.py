@@ -371,6 +371,35 @@ def hierarchical_wrong_on_one_rank(rank, size):
     return outcomes
 
 
+def hierarchical_in_the_callers_modes(rank, size):
+    """hierarchical_average of tensors it may write only in the caller's mode: Parameters under
+    no_grad (contiguous, strided, a numel the node does not divide), and inference tensors inside
+    inference_mode. Each average, then a call in step."""
+    state = hooks.HierarchicalState(size)
+    averages = []
+    for numel, strided in ((4, False), (5, False), (4, True)):
+        weight = torch.nn.Parameter(torch.full((numel, 2), float(rank)))
+        with torch.no_grad():
+            hooks.hierarchical_average(weight.t() if strided else weight, state.local_group, state.cross_group,
+                                       "none").wait()
+        averages.append(weight.detach().unique().tolist())
+    for numel in (4, 5):
+        with torch.inference_mode():
+            x = torch.full((numel,), float(rank))
+            hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+        averages.append(x.unique().tolist())
+    x = torch.full((8,), float(rank))
+    hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+    return averages, x.unique().tolist()
+
+
+def test_hierarchical_average_writes_in_the_callers_modes(worlds):
+    # the copy back into the tensor ran on gradsync's thread, outside the caller's no_grad or
+    # inference mode, and raised (the groups then unusable)
+    for averages, after in worlds(2).run(hierarchical_in_the_callers_modes):
+        assert averages == [[0.5]] * 5 and after == [0.5]
+
+
 def hierarchical_one_node(rank, size):
     """One node of every rank: nothing crosses a node, so the codec rounds nothing, and an error
     feedback residual stays zero."""
