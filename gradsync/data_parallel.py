@@ -37,7 +37,10 @@ class _Bucket:
     """The gradients of ``params`` end to end, then, from the next block on, one flag per parameter:
     1 where this rank produced its gradient since the last synchronized step, else 0. Averaged with
     the gradients, a flag is 0 exactly where no rank produced one (zeros stay zeros on every wire,
-    and a block of flags keeps them apart from any gradient's scale)."""
+    and a block of flags keeps them apart from any gradient's scale). Two marks follow the flags:
+    1 in the first where this step's backward is the first since a forward of the wrapper, in the
+    second where it is a later one, so that a rank's call paired with another step's (a backward
+    made on some ranks only) leaves both averages non-zero on every rank."""
 
     def __init__(self, params, device, error_feedback, as_views):
         self.params = params
@@ -46,7 +49,8 @@ class _Bucket:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.numel = self.offsets[-1]
         self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
-        self.buffer = torch.zeros(self.flags_at + len(params), dtype=torch.float32, device=device)
+        self.marks_at = self.flags_at + len(params)
+        self.buffer = torch.zeros(self.marks_at + 2, dtype=torch.float32, device=device)
         self.residual = torch.zeros_like(self.buffer) if error_feedback else None
         # gradient_as_bucket_view: the fp32 gradients live in the buffer (copied in only when autograd
         # made one afresh; never copied out)
@@ -107,15 +111,18 @@ class _Bucket:
                     p.grad = p.grad.clone()
             self.views = self.view_at = None
 
-    def set_flags(self, unused):
+    def set_flags(self, unused, later):
+        """The flags, and the marks of a first (``later`` False) or a later backward of a forward."""
         flags = self.buffer[self.flags_at:]
         if not unused:
-            flags.fill_(1.0)  # a kernel: a copy from the host would wait for the backward's kernels
+            flags.fill_(1.0)  # kernels: a copy from the host would wait for the backward's kernels
+            self.buffer[self.marks_at + (not later)].zero_()
             return
-        if self.mask is None or self.mask[0] != unused:  # copied from the host only when the set changes
-            mask = torch.ones(len(self.params), dtype=torch.float32, pin_memory=flags.is_cuda)
+        if self.mask is None or self.mask[0] != (unused, later):  # copied from the host only when it changes
+            mask = torch.ones(len(self.params) + 2, dtype=torch.float32, pin_memory=flags.is_cuda)
             mask[unused] = 0.0
-            self.mask = (unused, mask.to(flags.device, non_blocking=True))  # pinned: no wait for the backward
+            mask[len(self.params) + (not later)] = 0.0
+            self.mask = ((unused, later), mask.to(flags.device, non_blocking=True))  # pinned: no wait
         flags.copy_(self.mask[1])
 
 
@@ -613,6 +620,9 @@ class DataParallel(torch.nn.Module, Joinable):
         # first), and a forward inside it stops them only once a synchronized step has run since
         self._backward_syncs = True
         self._sync_pending = False  # a forward outside no_sync() whose step has not run yet
+        self._backwards = 0  # the synchronized backward passes since the last forward outside no_sync()
+        self._later = False  # whether this step's backward is not the first of them
+        self._marks = None  # the last step's marks (see _Bucket), until read: (tensor, CUDA event or None)
         self._step_callback = lambda: None  # a weak reference to this step's end-of-step callback
         self._buffers_seen = []  # the module's buffers, as the last forward's check found them
         self._root = dist.get_global_rank(self.process_group, 0)
@@ -862,6 +872,7 @@ class DataParallel(torch.nn.Module, Joinable):
     @_eager_under_compile
     def _before_forward(self):
         self._check_parameters(swaps_allowed=not torch.is_grad_enabled())
+        self._check_marks()
         if self._step_failed():
             self._abandon_step()
         broadcasts = self._broadcasts_buffers()
@@ -884,6 +895,7 @@ class DataParallel(torch.nn.Module, Joinable):
         if torch.is_grad_enabled():  # once the forward returned: one that raised changes nothing
             if self._sync:
                 self._backward_syncs = self._sync_pending = True
+                self._backwards = 0
             elif not self._sync_pending:
                 self._backward_syncs = False
         if self.find_unused_parameters and self._backward_syncs and torch.is_grad_enabled():
@@ -1130,6 +1142,8 @@ class DataParallel(torch.nn.Module, Joinable):
         self._issue(force=False)
 
     def _start_step(self):
+        self._check_marks()
+        self._later, self._backwards = self._backwards > 0, self._backwards + 1
         ranks = self.process_group.size()
         announced, self._step_announced = self._step_announced, None  # this step's: one per forward
         if self._join_config.enable:
@@ -1223,7 +1237,7 @@ class DataParallel(torch.nn.Module, Joinable):
                          for p in bucket.params], dtype=torch.float32, out=bucket.buffer[:bucket.numel])
             else:
                 self._fill_views(bucket)
-            bucket.set_flags(bucket.unused)
+            bucket.set_flags(bucket.unused, self._later)
             if bucket.residual is not None:
                 bucket.residual[bucket.flags_at:].zero_()  # the flags' own rounding must not make a 0 a 1 next step
                 # a parameter no rank uses gets nothing, so its residual must outlive the call unpaid
@@ -1264,6 +1278,7 @@ class DataParallel(torch.nn.Module, Joinable):
             self._issue(force=True)
             for bucket in self._buckets:
                 bucket.work.wait()
+            self._take_marks()
             # the flags are read (one copy to the host) only where a parameter may have no gradient to
             # write: this rank did not use it, or its gradient was set to None since it did
             unsure = {}
@@ -1272,7 +1287,7 @@ class DataParallel(torch.nn.Module, Joinable):
                 indices = [j for j, p in enumerate(b.params) if j in unused or p.grad is None]
                 if indices:
                     unsure[b] = indices
-            flags = torch.cat([b.buffer[b.flags_at:] for b in unsure]).tolist() if unsure else []
+            flags = torch.cat([b.buffer[b.flags_at:b.marks_at] for b in unsure]).tolist() if unsure else []
             at = 0
             for bucket in self._buckets:
                 unused_everywhere = set()
@@ -1292,6 +1307,37 @@ class DataParallel(torch.nn.Module, Joinable):
                 self._rebuilt, self._arrival = True, []
             else:
                 self._rebuild_buckets()
+
+    def _take_marks(self):
+        """The marks of the step's last call, read now on the CPU; on a GPU at the next forward or
+        backward, as reading them at this backward's end would wait for the call."""
+        bucket = self._buckets[-1]
+        marks = bucket.buffer[bucket.marks_at:]
+        if not marks.is_cuda:
+            self._marks = (marks.clone(), None)
+            self._check_marks()
+            return
+        done = torch.cuda.Event()
+        self._marks = (marks.to("cpu", non_blocking=True), done)
+        done.record()
+
+    def _check_marks(self):
+        """Raises where some ranks sent the last step's calls from the first backward of a forward and
+        others from a later one: every rank of the call reads the same averages, so every one raises."""
+        if self._marks is None:
+            return
+        (marks, done), self._marks = self._marks, None
+        if done is not None:
+            done.synchronize()
+        first, later = marks.tolist()
+        if first != 0.0 and later != 0.0:
+            raise RuntimeError(
+                "gradsync.DataParallel: the ranks' all-reduces of the last step paired different backward passes: "
+                "on some ranks the first backward after a forward of the wrapper, on others a later one of the "
+                "same forward (a backward made on some ranks only, such as a diagnostic backward, or one of the "
+                "wrapped module called directly, pairs its all-reduces with the others' next step). Those "
+                "gradients mix two steps, and each later step would too; make the same backward passes on every "
+                "rank, or take such gradients with torch.autograd.grad, which accumulates none")
 
     @torch.no_grad()
     def _write_back(self, bucket, unused_everywhere):
