@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <chrono>
+#include <future>
 #include <optional>
 #include <stdexcept>
 
@@ -633,15 +634,20 @@ void bind_ring(pybind11::module& m) {
   // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
   // their groups on a thread of their own, which never enters Python, so that the interpreter may
   // exit while a call of theirs still waits for a peer.
-  m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
-    std::thread([engines = std::move(engines)]() mutable {
+  m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines, double wait_s) {
+    auto done = std::make_shared<std::promise<void>>();
+    auto released = done->get_future();
+    std::thread([engines = std::move(engines), done]() mutable {
       for (auto& engine : engines) {
         engine->stop();
         engine->release_group();
       }
       engines.clear();
+      done->set_value();
     }).detach();
-  });
+    py::gil_scoped_release unlocked;  // the backend's teardown may need the GIL
+    return released.wait_for(std::chrono::duration<double>(wait_s)) == std::future_status::ready;
+  }, py::arg("engines"), py::arg("wait_s") = 0.0);
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)
@@ -650,7 +656,6 @@ void bind_ring(pybind11::module& m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, uint32_t>(), py::arg("group"), py::arg("first_sequence") = 0)
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def("abandon_group", &RingEngine::abandon_group)
-      .def("release_group", &RingEngine::release_group, py::call_guard<py::gil_scoped_release>())
       .def("abort_calls", &RingEngine::abort_calls, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("sequence", &RingEngine::sequence)
       .def_property_readonly("on_own_worker_thread", &RingEngine::on_own_worker_thread)

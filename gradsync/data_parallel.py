@@ -1337,7 +1337,9 @@ class DataParallel(torch.nn.Module, Joinable):
                 "same forward (a backward made on some ranks only, such as a diagnostic backward, or one of the "
                 "wrapped module called directly, pairs its all-reduces with the others' next step). Those "
                 "gradients mix two steps, and each later step would too; make the same backward passes on every "
-                "rank, or take such gradients with torch.autograd.grad, which accumulates none")
+                "rank, or take such gradients with torch.autograd.grad, which accumulates none. (Where every rank "
+                "makes several backward passes of one forward, a forward of the wrapper with gradients made on some "
+                "ranks only in between counts as the forward of the next ones: make it on model.module)")
 
     @torch.no_grad()
     def _write_back(self, bucket, unused_everywhere):

@@ -41,6 +41,10 @@ tensors: every rank sends its encoded contribution to every other at once and su
 order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1) payloads sent instead
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
+EXIT_RELEASE_S = 5.0
+"""How long the exit waits for the teardown of a group that torch.distributed destroyed before
+:func:`shutdown` ran (a healthy gloo group's takes milliseconds)."""
+
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
 _engines = {}
@@ -801,8 +805,8 @@ def shutdown():
     the calls of a group whose DataParallel step failed here after its peers' calls went unchecked
     (their checks never come) are ended, not waited for. A group that
     torch.distributed has already destroyed is let go of on a thread of its own, since tearing down a
-    gloo group whose peers are gone can block (at exit: here, unless a call failed on it, which
-    leaves it to the process's end). A group whose
+    gloo group whose peers are gone can block (at exit, waited for up to ``EXIT_RELEASE_S``, unless a
+    call failed on it, which leaves it to the process's end). A group whose
     ring a failure left unusable stays so: later calls on it raise, as they did before. A call
     issued meanwhile from another thread on a group whose calls shutdown() is finishing waits for
     them, then starts
@@ -845,16 +849,17 @@ def _stop_engines():
             _settle_stopped(group, engine)
         if not _group_is_live(group):
             # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
-            # group whose peers are gone can block). At exit, here, before the interpreter finalizes,
-            # as destroy_process_group() would have (the backend's threads, left running into the
-            # finalization, abort the process where one takes the GIL), unless a call failed on it:
-            # then it is left to the process's end
+            # group whose peers are gone can block). At exit, waiting a while for that: the backend's
+            # threads, left running into the interpreter's finalization, abort the process where one
+            # takes the GIL. A group a call failed on, or one whose teardown takes longer (a torch
+            # call of the caller's still waits for a peer), is left to the process's end.
             if not _exiting:
                 _C._release_engines([engine])
             elif engine.broken:
                 engine.abandon_group()
             else:
-                engine.release_group()
+                del group  # the engine's reference is then the last, unless the caller holds one
+                _C._release_engines([engine], wait_s=EXIT_RELEASE_S)
 
 
 def _settle_stopped(group, engine, why=None):

@@ -579,6 +579,7 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
         if residual is not None:
             _check_residual(residual, shard, padded, numel_means="ceil(tensor.numel() / local_group.size()) = "
                                                                  f"ceil({tensor.numel()} / {per_node})")
+        inference = torch.is_inference_mode_enabled()  # the copies made here are inference tensors too
         for group in (local_group, cross_group):
             _check_backend(shard, "tensor", group)
             _check_nccl_device(shard, group)
@@ -603,7 +604,7 @@ def hierarchical_average(tensor: torch.Tensor, local_group: dist.ProcessGroup, c
 
     def copy_back(fut):  # on gradsync's thread of the node's group, which has none of the caller's modes
         fut.value()  # raises the failed step's error, if any
-        with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
+        with torch.inference_mode() if inference else torch.no_grad():
             if padded is not flat:
                 flat.copy_(padded[:flat.numel()])
             if not tensor.is_contiguous():

@@ -976,6 +976,36 @@ def test_a_group_destroyed_without_shutdown_is_torn_down_before_the_interpreter_
     assert all("gloo threads: []" in out for _, out, _ in ranks), ranks
 
 
+LEAVES_A_TORCH_CALL_PENDING_ON_A_DESTROYED_GROUP = """
+import atexit, datetime, os, sys, time
+start = time.monotonic()
+atexit.register(lambda: print(f"ended after {time.monotonic() - start:.1f} s", flush=True))  # after gradsync's
+import torch, torch.distributed as dist, gradsync
+rank = int(sys.argv[1])
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+sub = dist.new_group([0, 1])
+gradsync.all_reduce(torch.ones(10), group=sub)
+if rank == 1:
+    time.sleep(20)  # alive, but never making rank 0's call below
+    sys.exit(0)
+work = dist.all_reduce(torch.ones(10), group=sub, async_op=True)  # torch's own, waiting for rank 1
+dist.destroy_process_group(sub)
+del sub, work
+"""
+
+
+def test_the_exit_waits_a_bounded_time_for_a_destroyed_groups_teardown(tmp_path):
+    # tearing the group down waits for the torch call that rank 1 never makes, until the group's
+    # timeout (60 s here, 30 min by default), so the exit waits for it at most EXIT_RELEASE_S
+    ranks = run_processes([[sys.executable, "-c", LEAVES_A_TORCH_CALL_PENDING_ON_A_DESTROYED_GROUP, str(rank)]
+                           for rank in range(2)], tmp_path)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    took = float(ranks[0][1].split("ended after ")[1].split()[0])
+    assert took < 15, ranks[0]  # rank 1 ends after 20 s
+
+
 def python_made_group(rank, size):
     """A process group made in Python, as fault-tolerance libraries wrap one: its works' wait()
     returns None, which is no abort."""

@@ -373,8 +373,8 @@ def hierarchical_wrong_on_one_rank(rank, size):
 
 def hierarchical_in_the_callers_modes(rank, size):
     """hierarchical_average of tensors it may write only in the caller's mode: Parameters under
-    no_grad (contiguous, strided, a numel the node does not divide), and inference tensors inside
-    inference_mode. Each average, then a call in step."""
+    no_grad (contiguous, strided, a numel the node does not divide), inference tensors inside
+    inference_mode, and a strided tensor there. Each average, then a call in step."""
     state = hooks.HierarchicalState(size)
     averages = []
     for numel, strided in ((4, False), (5, False), (4, True)):
@@ -388,6 +388,10 @@ def hierarchical_in_the_callers_modes(rank, size):
             x = torch.full((numel,), float(rank))
             hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
         averages.append(x.unique().tolist())
+    x = torch.full((5, 3), float(rank)).t()  # a normal tensor, strided, whose copies are inference tensors
+    with torch.inference_mode():
+        hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
+    averages.append(x.unique().tolist())
     x = torch.full((8,), float(rank))
     hooks.hierarchical_average(x, state.local_group, state.cross_group, "none").wait()
     return averages, x.unique().tolist()
@@ -397,7 +401,7 @@ def test_hierarchical_average_writes_in_the_callers_modes(worlds):
     # the copy back into the tensor ran on gradsync's thread, outside the caller's no_grad or
     # inference mode, and raised (the groups then unusable)
     for averages, after in worlds(2).run(hierarchical_in_the_callers_modes):
-        assert averages == [[0.5]] * 5 and after == [0.5]
+        assert averages == [[0.5]] * 6 and after == [0.5]
 
 
 def hierarchical_one_node(rank, size):
