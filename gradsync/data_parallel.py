@@ -1318,8 +1318,8 @@ class DataParallel(torch.nn.Module, Joinable):
             self._check_marks()
             return
         done = torch.cuda.Event()
-        self._marks = (marks.to("cpu", non_blocking=True), done)
-        done.record()
+        self._marks = (marks.to("cpu", non_blocking=True), done)  # on the current stream of the marks' device
+        done.record(torch.cuda.current_stream(marks.device))
 
     def _check_marks(self):
         """Raises where some ranks sent the last step's calls from the first backward of a forward and

@@ -2206,15 +2206,16 @@ def test_a_rank_whose_backward_raises_exits_at_once_and_its_peer_fails(mode, tmp
     assert took < 60, f"the ranks took {took:.0f} s to end"
 
 
-def backwards_on_some_ranks(rank, size, codec, error_feedback):
-    """Rank 0 makes a backward the others do not: each rank's outcome, per step, and the gradients of
-    the steps before and after, which every rank makes alike."""
+def backwards_on_some_ranks(rank, size, device, codec, error_feedback):
+    """Rank 0 makes a backward the others do not: each rank's outcome, per step, until it raises
+    (on the CPU at the step's end, on a GPU at the next step), then the gradients of a step that
+    every rank makes again."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))
     # a bucket per parameter: the large weight's takes the ring, the others the direct exchange
-    model = gradsync.DataParallel(net, codec=codec, error_feedback=error_feedback, bucket_cap_mb=1e-4)
+    model = gradsync.DataParallel(net.to(device), codec=codec, error_feedback=error_feedback, bucket_cap_mb=1e-4)
     generator = torch.Generator().manual_seed(rank + 1)
-    batch = lambda: torch.randn(16, 8, generator=generator)  # noqa: E731
+    batch = lambda: torch.randn(16, 8, generator=generator).to(device)  # noqa: E731
     outcomes = []
 
     def step(name, run):
@@ -2235,22 +2236,27 @@ def backwards_on_some_ranks(rank, size, codec, error_feedback):
     step("plain", lambda: model(batch()).sum().backward())
     if rank == 0:  # a diagnostic backward on rank 0 alone: its calls pair with the others' next step
         step("diagnostic", lambda: model.module(batch()).sum().backward())
-    step("next", lambda: model(batch()).sum().backward())
-    if rank != 0:  # the step rank 0's "next" pairs with
-        step("after", lambda: model(batch()).sum().backward())
-    return outcomes, [p.grad.clone() for p in model.parameters()]
+    while outcomes[-1][1] is not True and len(outcomes) < 7:
+        step("next", lambda: model(batch()).sum().backward())
+    step("again", lambda: model(batch()).sum().backward())
+    return outcomes, [p.grad.cpu() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("codec,error_feedback", [("none", False), ("fp8_e4m3", True)], ids=["none", "fp8_ef"])
-def test_a_backward_made_on_some_ranks_only_raises_on_every_rank(worlds, size, codec, error_feedback):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_backward_made_on_some_ranks_only_raises_on_every_rank(worlds, device, size, codec, error_feedback):
     # its calls paired with the others' next step: a wrong average, then every later step one call
     # out of step, with no error at all (each pair agreed in size)
-    results = worlds(size).run(backwards_on_some_ranks, codec, error_feedback)
+    results = worlds(size).run(backwards_on_some_ranks, device, codec, error_feedback)
     alike = [("twice", "ok"), ("direct", "ok"), ("plain", "ok")]
-    assert results[0][0] == alike + [("diagnostic", True), ("next", "ok")], results[0][0]
+    if device == "cuda":  # the marks are read at the next step
+        first, peers = [("diagnostic", "ok"), ("next", True)], [("next", "ok"), ("next", True)]
+    else:
+        first, peers = [("diagnostic", True)], [("next", True)]
+    assert results[0][0] == alike + first + [("again", "ok")], results[0][0]
     for outcomes, _ in results[1:]:
-        assert outcomes == alike + [("next", True), ("after", "ok")], outcomes
+        assert outcomes == alike + peers + [("again", "ok")], outcomes
     for rank in range(1, size):  # paired again, the ranks' next step sums alike
         assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[rank][1]))
 
