@@ -42,8 +42,8 @@ order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
 EXIT_RELEASE_S = 5.0
-"""How long the exit waits for the teardown of a group that torch.distributed destroyed before
-:func:`shutdown` ran (a healthy gloo group's takes milliseconds)."""
+"""How long the exit waits, in all, for the teardown of the groups that torch.distributed destroyed
+before :func:`shutdown` ran (a healthy gloo group's takes milliseconds)."""
 
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
@@ -835,31 +835,36 @@ def shutdown():
 
 
 def _stop_engines():
-    while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
-        with _locked():
-            group = next((g for g in _engines if g in _to_stop), None)
-            if group is None:
-                _to_stop.clear()  # what is left lost its engine otherwise (a group torch.distributed destroyed)
-                return
-            del _to_stop[group]
-            engine = _stopping[group] = _engines.pop(group)
-        try:
-            engine.stop()
-        finally:
-            _settle_stopped(group, engine)
-        if not _group_is_live(group):
-            # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
-            # group whose peers are gone can block). At exit, waiting a while for that: the backend's
-            # threads, left running into the interpreter's finalization, abort the process where one
-            # takes the GIL. A group a call failed on, or one whose teardown takes longer (a torch
-            # call of the caller's still waits for a peer), is left to the process's end.
-            if not _exiting:
-                _C._release_engines([engine])
-            elif engine.broken:
-                engine.abandon_group()
-            else:
-                del group  # the engine's reference is then the last, unless the caller holds one
-                _C._release_engines([engine], wait_s=EXIT_RELEASE_S)
+    released = []  # at exit: the engines of groups torch.distributed destroyed, released together below
+    try:
+        while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
+            with _locked():
+                group = next((g for g in _engines if g in _to_stop), None)
+                if group is None:
+                    _to_stop.clear()  # what is left lost its engine otherwise (a group torch.distributed destroyed)
+                    return
+                del _to_stop[group]
+                engine = _stopping[group] = _engines.pop(group)
+            try:
+                engine.stop()
+            finally:
+                _settle_stopped(group, engine)
+            if not _group_is_live(group):
+                # torch.distributed destroyed it: let go of it on a thread of its own (tearing down a gloo
+                # group whose peers are gone can block). At exit, waiting a while for that: the backend's
+                # threads, left running into the interpreter's finalization, abort the process where one
+                # takes the GIL. A group a call failed on, or one whose teardown takes longer (a torch
+                # call of the caller's still waits for a peer), is left to the process's end.
+                if not _exiting:
+                    _C._release_engines([engine])
+                elif engine.broken:
+                    engine.abandon_group()
+                else:
+                    released.append(engine)
+    finally:
+        group = None  # the engines' references are then the last, unless the caller holds one
+        if released:
+            _C._release_engines(released, wait_s=EXIT_RELEASE_S)
 
 
 def _settle_stopped(group, engine, why=None):

@@ -985,20 +985,23 @@ rank = int(sys.argv[1])
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
-sub = dist.new_group([0, 1])
-gradsync.all_reduce(torch.ones(10), group=sub)
+subs = [dist.new_group([0, 1]) for _ in range(3)]
+for sub in subs:
+    gradsync.all_reduce(torch.ones(10), group=sub)
 if rank == 1:
-    time.sleep(20)  # alive, but never making rank 0's call below
+    time.sleep(20)  # alive, but never making rank 0's calls below
     sys.exit(0)
-work = dist.all_reduce(torch.ones(10), group=sub, async_op=True)  # torch's own, waiting for rank 1
-dist.destroy_process_group(sub)
-del sub, work
+works = [dist.all_reduce(torch.ones(10), group=sub, async_op=True) for sub in subs]  # torch's own, waiting
+for sub in subs:
+    dist.destroy_process_group(sub)
+del sub, subs, works
 """
 
 
 def test_the_exit_waits_a_bounded_time_for_a_destroyed_groups_teardown(tmp_path):
-    # tearing the group down waits for the torch call that rank 1 never makes, until the group's
-    # timeout (60 s here, 30 min by default), so the exit waits for it at most EXIT_RELEASE_S
+    # tearing a group down waits for the torch call that rank 1 never makes, until the group's
+    # timeout (60 s here, 30 min by default), so the exit waits for the three at most EXIT_RELEASE_S
+    # in all
     ranks = run_processes([[sys.executable, "-c", LEAVES_A_TORCH_CALL_PENDING_ON_A_DESTROYED_GROUP, str(rank)]
                            for rank in range(2)], tmp_path)
     assert [code for code, _, _ in ranks] == [0, 0], ranks
