@@ -633,7 +633,8 @@ void bind_ring(pybind11::module& m) {
   m.def("_on_engine_thread", &RingEngine::on_worker_thread);
   // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
   // their groups on a thread of their own, which never enters Python, so that the interpreter may
-  // exit while a call of theirs still waits for a peer.
+  // exit while a call of theirs still waits for a peer. The caller waits up to wait_s for that (the
+  // GIL released) and learns whether it finished.
   m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines, double wait_s) {
     auto done = std::make_shared<std::promise<void>>();
     auto released = done->get_future();

@@ -1314,7 +1314,7 @@ class DataParallel(torch.nn.Module, Joinable):
         bucket = self._buckets[-1]
         marks = bucket.buffer[bucket.marks_at:]
         if not marks.is_cuda:
-            self._marks = (marks.clone(), None)
+            self._marks = (marks, None)
             self._check_marks()
             return
         done = torch.cuda.Event()
