@@ -334,7 +334,7 @@ void RingEngine::run() {
       error = std::current_exception();
     } catch (const std::exception& e) {
       error = std::current_exception();
-      after_failure(job, e.what(), nccl_aborted_before);
+      if (after_failure(job, e.what(), nccl_aborted_before)) error = std::make_exception_ptr(mid_ring_failure(e.what()));
     } catch (...) {
       error = std::current_exception();
       after_failure(job, "an unknown exception", nccl_aborted_before);
@@ -355,7 +355,15 @@ void RingEngine::run() {
   }
 }
 
-void RingEngine::after_failure(const Job& job, const char* what, bool nccl_aborted_before) {
+std::runtime_error RingEngine::mid_ring_failure(const char* what) const {
+  return std::runtime_error(
+      "gradsync: a call on this process group failed in the ring (rank " + std::to_string(rank()) + " of " +
+      std::to_string(size()) + "), and the group's ring is unusable from now on: " + what +
+      ". A peer that died or stalls fails it so, as does one that made another call: calls are checked "
+      "only with check_call, which gradsync.DataParallel and the DDP hooks use on a bucket's first step only");
+}
+
+bool RingEngine::after_failure(const Job& job, const char* what, bool nccl_aborted_before) {
   // A call that failed before posting anything (a group without a CPU backend refusing a host
   // buffer, an allocation) leaves the ring as it was. Messages of the process group that may still
   // be in flight would be received by a later call: that fails every later call on the group. An
@@ -377,6 +385,7 @@ void RingEngine::after_failure(const Job& job, const char* what, bool nccl_abort
     new at::Tensor(std::move(recv_image_));  // leaked on purpose; the next call allocates new ones
     new at::Tensor(std::move(send_image_));
   }
+  return in_flight;
 }
 
 uint8_t* RingEngine::workspace(at::Tensor& buffer, int64_t bytes, const at::Device& device, bool pinned) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -138,8 +139,11 @@ class RingEngine {
   };
   std::shared_ptr<RingWork> submit(Job job);
   void run();
-  // After a call failed for another reason than the ranks' disagreement.
-  void after_failure(const Job& job, const char* what, bool nccl_aborted_before);
+  // After a call failed for another reason than the ranks' disagreement: whether it left messages of
+  // the process group in flight (the ring is then unusable).
+  bool after_failure(const Job& job, const char* what, bool nccl_aborted_before);
+  // What a call that failed with messages in flight raises: the backend's error, and what causes it.
+  std::runtime_error mid_ring_failure(const char* what) const;
   // Later calls on the group raise, saying why: messages of a failed call may still arrive.
   void mark_unusable(const std::string& what);
   void execute(Job& job);

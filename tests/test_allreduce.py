@@ -791,6 +791,7 @@ def test_a_silent_peer_makes_the_others_raise_within_the_timeout():
             assert status == "ok", value
             seconds, message, untouched, later = value
             assert message != "no error" and timeout_s - 1 <= seconds <= timeout_s + 10, (seconds, message)
+            assert "failed in the ring (rank" in message and "A peer that died or stalls" in message, message
             assert untouched and later, message
     finally:
         world.close()
