@@ -150,16 +150,24 @@ def calls_from_a_signal_handler(rank, size):
         gradsync.all_reduce(t)  # the default group's engine is there: nothing to wait for
     gradsync.all_reduce(t, group=group)
     # ... as it does where it runs in this thread's shutdown(), which its call would wait for
-    sent = []
+    holding = threading.Event()
 
-    def signal_once_shutdown_runs(fut):  # on gradsync's thread, as shutdown() finishes the calls
-        if gradsync.distributed._shutdowns and not sent:
-            sent.append(os.kill(os.getpid(), signal.SIGALRM))
+    def hold_the_engine_until_shutdown_stops_it(fut):  # not where the call was done already (inline)
+        if not gradsync._C._on_engine_thread() or holding.is_set():
+            return
+        holding.set()  # the calls after this one wait for this callback, so shutdown() waits for them
+        deadline = time.monotonic() + 30
+        while not gradsync.distributed._stopping and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        os.kill(os.getpid(), signal.SIGALRM)
     signal.signal(signal.SIGALRM, lambda signum, frame: gradsync.all_reduce(torch.ones(8)))
     try:
-        for _ in range(50):
-            gradsync.all_reduce(torch.randn(1 << 20), codec="fp8_e4m3", async_op=True).get_future().then(
-                signal_once_shutdown_runs)
+        for _ in range(1000):
+            gradsync.all_reduce(torch.randn(1 << 16), codec="fp8_e4m3", async_op=True).get_future().then(
+                hold_the_engine_until_shutdown_stops_it)
+            if holding.is_set():
+                break
+        assert holding.is_set(), "every call was done before its callback was attached"
         with pytest.raises(RuntimeError, match="called from a signal handler .* that interrupted gradsync's own"):
             gradsync.shutdown()
     finally:
