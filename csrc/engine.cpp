@@ -58,7 +58,7 @@ bool RingWork::wait(double timeout_s) {
 
 bool RingWork::is_completed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return released_;
+  return released_ || (done_ && std::this_thread::get_id() == completer_);  // in a callback too, as wait()
 }
 
 void RingWork::complete(std::exception_ptr error) {

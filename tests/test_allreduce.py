@@ -388,8 +388,10 @@ def future_calls(rank, size):
     y = rank_input(rank, 5000, torch.float32, seed=4)
     work, ran = gradsync.all_reduce(y, codec="fp16", async_op=True), []
     # a slow callback that waits for its own call: no deadlock
-    work.get_future().then(lambda f: (work.wait(), time.sleep(0.2), ran.append(True)))
-    work.wait()  # ... and once wait() returns, the future is complete, its callbacks run, as with torch's Work
+    work.get_future().then(lambda f: (work.wait(), time.sleep(0.2), ran.append(work.is_completed())))
+    # ... and once wait() returns, the future is complete, its callbacks run, as with torch's Work (in
+    # which the work is complete too)
+    work.wait()
     return same and work.get_future().done() and work.is_completed() and ran == [True] and \
         work.get_future().value().data_ptr() == y.data_ptr()
 
