@@ -107,6 +107,11 @@ def compiling(mode):
     return torch._dynamo.config.patch(optimize_ddp=not mode.endswith("one graph"))
 
 
+def _ms(value):
+    """Three significant digits below 100 ms: whole milliseconds do not add up on steps of a few."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=124e6)
@@ -193,9 +198,9 @@ def main():
         hook = medians["gradsync fp16 hook"]
         hidden = (compute + comm - hook) / min(compute, comm)
         hidden_text = f"{100 * hidden:.0f}% of the shorter one hidden" if hidden >= 0 else \
-            f"nothing hidden: {hook - compute - comm:.0f} ms more than the two apart"
-        print(f"compute {compute:.0f} ms + communication {comm:.0f} ms = {compute + comm:.0f} ms; gradsync fp16 hook "
-              f"step {hook:.0f} ms ({hidden_text})")
+            f"nothing hidden: {_ms(hook - compute - comm)} ms more than the two apart"
+        print(f"compute {_ms(compute)} ms + communication {_ms(comm)} ms = {_ms(compute + comm)} ms; gradsync fp16 "
+              f"hook step {_ms(hook)} ms ({hidden_text})")
         print(f"overlap timeline (gradsync fp16 hook): {timeline[0]} of {timeline[1]} buckets finished their "
               f"all-reduce while backward was still computing; {timeline[2]:.0f} ms of communication ran during backward")
         if args.json:

@@ -188,6 +188,7 @@ def main():
         print(f"# done: {name}", file=sys.stderr, flush=True)
         if args.json:  # after every case: a run stopped at its time limit keeps what it measured
             common.write_json(args.json, title, rows, {"device": str(device), "copy_gbps": copy_rate,
+                                                       "threads": torch.get_num_threads(),
                                                        "gradsync": gradsync.__version__, "torch": torch.__version__})
     common.print_table(title, rows, common.KERNEL_COLUMNS)
     if args.plot:

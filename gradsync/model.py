@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 
 SLICE_BYTES = 1 << 20  # gradsync.distributed.SLICE_BYTES
 DIRECT_BYTES = 64 << 10  # gradsync.distributed.DIRECT_BYTES
+CACHE_SAFE_BYTES = 64 << 20  # a measured buffer smaller than this may sit in a cache
+TCP_COST_MIN_BYTES = 16 << 20  # the smallest loopback row whose time the wire, not latency, sets
 NCCL_SLICE_BYTES = 128 << 20  # gradsync.distributed.NCCL_SLICE_BYTES
 DIRECT_EXCHANGE_RANKS = 8  # kDirectExchangeRanks in csrc/ring/ring_allreduce.h
 ALIGN = 128            # elements; chunks and slices are multiples of the fp8 block
@@ -94,6 +96,8 @@ class Kernels:
     hop: float = 0.0
     slice_bytes: int = SLICE_BYTES
     direct_bytes: int = 0
+    threads: int = 0  # of a measured host run; 0 where not recorded
+    measured_bytes: int = 0  # of the buffer the measured costs come from; 0 where assumed
 
     def scaled(self, factor, name=None):
         """The same kernels run `factor` times slower (e.g. ranks sharing a core)."""
@@ -160,8 +164,10 @@ def cpu_kernels(path, device="cpu"):
             costs[codec] = per_elem[op]
     red = {c: enc[c] + dec[c] for c in CODECS}
     red["none"] = 12 / copy
+    threads = run["meta"].get("threads") or re.search(r"CPU, (\d+) threads", str(run.get("title", "")))
+    threads = int(threads.group(1)) if isinstance(threads, re.Match) else threads or 0
     return Kernels(f"CPU kernels measured ({path.rsplit('/', 1)[-1]}, {case})", enc, red, dec, 12 / copy,
-                   direct_bytes=DIRECT_BYTES)
+                   direct_bytes=DIRECT_BYTES, threads=threads, measured_bytes=4 * max(r["count"] for r in rows))
 
 
 def gpu_kernels(kernels_path, hop_path=None):
@@ -365,10 +371,19 @@ def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
     bench_allreduce.py (JSON): what gradsync "none" at the largest size took beyond its kernels."""
     n = loopback["meta"]["ranks"]
     row = max((r for r in loopback["rows"] if r["impl"] == "gradsync none"), key=lambda r: r["bytes"])
+    if row["bytes"] < TCP_COST_MIN_BYTES:
+        raise ValueError(f"the loopback run's largest 'gradsync none' row is {row['bytes']} bytes; the TCP stack's "
+                         f"cost is read from one of at least {TCP_COST_MIN_BYTES >> 20} MB, where latency does not "
+                         "set the time (bench_allreduce.py's default sizes reach 256 MB)")
     share = max(1.0, n / cores)
     numel = row["bytes"] // 4
     kernels_only = ring_time(numel, n, Link("loopback", float("inf"), 0.0), kernels.scaled(share))
-    return (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
+    cost = (row["time_ms"] * 1e-3 - kernels_only) / (share * 2 * (n - 1) / n * row["bytes"])
+    if cost <= 0:
+        raise ValueError(f"the loopback run's 'gradsync none' row of {row['bytes']} bytes took {row['time_ms']} ms, "
+                         f"no more than its kernels alone ({kernels_only * 1e3:.3g} ms by the kernel costs): the "
+                         "kernels and the loopback run are not of the same machine, or the row is wrong")
+    return cost
 
 
 def latency_hops(n, impl):
@@ -609,7 +624,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
     head = f"{'ranks':>5} {'link':<20} {'model':<11}" + "".join(f"{i.replace('gradsync ', ''):>15}" for i in IMPLS)
     for bucket_mb in bucket_mbs:
         for model, params in MODELS:
-            lines += [f"## {model}: {params * 4 / 2**20:,.0f} MB of fp32 gradients in {bucket_mb} MB buckets "
+            lines += [f"## {model}: {params * 4 / 2**20:,.0f} MB of fp32 gradients in {bucket_mb:g} MB buckets "
                       "(MB: 2^20 bytes); ms per step (speedup vs torch fp32)", head]
             for n, link in TOPOLOGIES:
                 times = {i: step_time(params, n, link, kernels, NCCL_FP32 if i == TORCH else i, int(bucket_mb * 2**20))
@@ -630,10 +645,10 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
               "of issuing them. The codec's ring is compared with NCCL's fp32 ring, which across nodes runs a",
               f"ring per NIC ({GPUS_PER_NODE} per node), and with the same flat ring in fp32 on one NIC; the CPU",
               "rows put every kernel on the host, the fp32 rings' adds too, as with gloo)",
-              f"{'link':<20} {'kernels':<24} {'codec':<9} {'NCCL fp32':>10} {'ring fp32':>10} {'codec wire':>11} "
+              f"{'link':<20} {'kernels':<26} {'codec':<9} {'NCCL fp32':>10} {'ring fp32':>10} {'codec wire':>11} "
               f"{'kernel':>8} {'pays vs NCCL':>13} {'vs ring':>8}"]
     kernel_sets = [(f"GPU, {'assumed' if kernels.name.startswith('ASSUMED') else 'measured'}", kernels)]
-    kernel_sets += [("CPU, 1 thread, measured", cpu)] if cpu else []
+    kernel_sets += [(f"CPU, {_threads(cpu.threads)}measured", cpu)] if cpu else []
     for link in dict.fromkeys(link for _, link in TOPOLOGIES):
         nics = GPUS_PER_NODE if spans_nodes(link) else 1
         for label, ks in kernel_sets:
@@ -642,7 +657,7 @@ def projection_tables(kernels=GPU_ASSUMED, bucket_mbs=(25, 256), cpu=None):
             for codec in ("fp16", "fp8_e4m3"):
                 wire, kernel = WIRE_BYTES[codec] / link.bandwidth, ks.reduce_encode[codec]
                 cost = max(wire, kernel)
-                lines.append(f"{link.name:<20} {label:<24} {codec:<9} {nccl * 1e12:>10.1f} {ring * 1e12:>10.1f} "
+                lines.append(f"{link.name:<20} {label:<26} {codec:<9} {nccl * 1e12:>10.1f} {ring * 1e12:>10.1f} "
                              f"{wire * 1e12:>11.1f} {kernel * 1e12:>8.1f} {'yes' if cost < nccl else 'no':>13} "
                              f"{'yes' if cost < ring else 'no':>8}")
     lines += ["", "## Best bucket: the smallest within 10 % of one all-reduce of the whole gradient (gradsync fp16)",
@@ -728,6 +743,19 @@ def validation_table(rows):
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 
 
+def _threads(count):
+    return "" if not count else "1 thread, " if count == 1 else f"{count} threads, "
+
+
+def _cache_warning(option, kernels):
+    """A line where the measured costs come from a buffer that a cache may hold, which flatters them."""
+    if not kernels.measured_bytes or kernels.measured_bytes >= CACHE_SAFE_BYTES:
+        return None
+    return (f"# {option}: the costs come from a buffer of {kernels.measured_bytes / 2**20:g} MB, which a cache may "
+            f"hold, so they may be too low; one of {CACHE_SAFE_BYTES >> 20} MB or more measures memory (bench_kernels.py's "
+            "default cases include one)")
+
+
 def _positive_mb(text):
     try:
         value = float(text)
@@ -735,6 +763,8 @@ def _positive_mb(text):
         value = None
     if value is None or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of MB, got {text}")
+    if value * 2**20 < 4:
+        raise argparse.ArgumentTypeError(f"must hold one fp32 element (4 bytes, {4 / 2**20:.2g} MB), got {text}")
     return int(value) if value.is_integer() else value
 
 
@@ -777,6 +807,9 @@ def main():
     for option, path in read.items():
         if path and not os.path.isfile(path):
             parser.error(f"{option} {path} is not a file (pass the measurement JSON)")
+    if args.latencies_from and os.path.samefile(args.latencies_from, args.validate):
+        parser.error("--latencies-from names the --validate report itself, whose latencies would not be held out: "
+                     "pass another run's report, or leave it out to take this run's own small rows")
     if args.validate:
         try:
             netem = _load_json(args.validate)
@@ -810,6 +843,10 @@ def main():
                      f"JSON; --nccl-hop: bench_nccl_hop.py JSON): {type(error).__name__}: {error}")
     if cpu is None:
         print(f"# no CPU kernel costs ({args.kernels} does not exist): the tables leave out the host codecs")
+    for option, measured in (("--kernels", cpu if kernels_given else None), ("--gpu-kernels", gpu)):
+        warning = _cache_warning(option, measured) if measured else None
+        if warning:
+            print(warning)
     print(projection_tables(gpu, bucket_mbs=args.bucket_mb, cpu=cpu))
 
 

@@ -7,6 +7,7 @@ would cost a scarce machine's time.
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,8 +49,10 @@ def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
     out = tmp_path / "kernels.json"
     table = run([os.path.join(BENCH, "bench_kernels.py"), "--device", "cpu", "--cases", "resnet50", "buffer-4MB",
                  "--max-mb", "4", "--json", str(out)], tmp_path)
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert {r["case"] for r in rows} == {"resnet50", "buffer-4MB"}
+    assert f"CPU, {report['meta']['threads']} threads" in report["title"]  # gradsync.model labels its rows so
     ops = {r["op"] for r in rows if r["case"] == "resnet50"}
     assert {"torch cat+div+half", "gradsync flatten(fp16)", "gradsync unflatten(fp16)",
             "gradsync compress(fp8_e4m3)", "gradsync decompress(fp8_e4m3)"} <= ops
@@ -90,6 +93,11 @@ def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     assert "overlap timeline" in table
     hidden = report["meta"]["overlap_hidden"]  # the line says what the JSON holds, a step slower than its parts too
     assert (f"({100 * hidden:.0f}% of the shorter one hidden)" if hidden >= 0 else "(nothing hidden: ") in table
+    # and its sums add up (whole milliseconds did not, on steps of a few)
+    line = next(line for line in table.splitlines() if line.startswith("compute ") and " + communication " in line)
+    compute, comm, both, hook, *more = map(float, re.findall(r"(-?[\d.]+(?:e[+-]\d+)?) ms", line))
+    assert compute + comm == pytest.approx(both, rel=0.01, abs=0.01), line
+    assert not more or (more[0] > 0 and both + more[0] == pytest.approx(hook, rel=0.01, abs=0.01)), line
     # "communication only" sends the buckets the hook sent, one call each, all the parameters
     buckets = report["meta"]["communication_only_buckets"]
     assert len(buckets) == report["meta"]["timeline"][1] and sum(buckets) == report["meta"]["params"]

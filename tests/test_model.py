@@ -287,7 +287,7 @@ def test_host_codecs_are_compared_with_host_fp32_rings():
     # a codec on the CPU beside an fp32 ring that adds on the CPU too, as gloo's does: fp16's fused
     # step moves fewer bytes than the fp32 add, fp8's costs more, so fp8 pays only while the fp32
     # wire is slower than its kernel
-    cpu = replace(FREE, add=1e-9, reduce_encode={"fp16": 0.8e-9, "fp8_e4m3": 1.2e-9})
+    cpu = replace(FREE, add=1e-9, reduce_encode={"fp16": 0.8e-9, "fp8_e4m3": 1.2e-9}, threads=1)
     rows = [line.split() for line in model.projection_tables(cpu=cpu).splitlines() if "CPU, 1 thread" in line]
     assert len(rows) == 6 and all(r[-6] == r[-5] == "1000.0" for r in rows), rows  # ps per element: the CPU add
     assert all(r[-2:] == (["yes", "yes"] if r[-7] == "fp16" else ["no", "no"]) for r in rows), rows
@@ -472,11 +472,50 @@ def test_measurements_of_zero_or_less_are_refused_by_name(tmp_path):
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (option, out.stderr)
 
 
+def test_the_cpu_rows_say_how_many_threads_measured_them_and_warn_of_a_cached_buffer(tmp_path):
+    with open(KERNELS_JSON) as f:
+        run = json.load(f)
+    assert model.cpu_kernels(KERNELS_JSON).threads == 1  # read from the title, where meta predates the field
+    four_mb = [r for r in run["rows"] if r["case"] == "buffer-4MB"]
+    small = tmp_path / "kernels_4MB_2threads.json"
+    small.write_text(json.dumps(dict(run, meta=dict(run["meta"], threads=2), rows=four_mb)))
+    kernels = model.cpu_kernels(str(small))
+    assert kernels.threads == 2 and kernels.measured_bytes == 4 << 20
+    assert "CPU, 2 threads, measured" in model.projection_tables(cpu=kernels)
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--kernels", str(small)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and "# --kernels: the costs come from a buffer of 4 MB, which a cache may hold" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--kernels", KERNELS_JSON],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and "CPU, 1 thread, measured" in out.stdout and "cache may hold" not in out.stdout
+
+
+def test_a_loopback_run_too_small_or_faster_than_its_kernels_is_refused(tmp_path):
+    with open(LOOPBACK_JSON) as f:
+        loopback = json.load(f)
+    kernels = model.cpu_kernels(KERNELS_JSON)
+    assert model.host_network_cost(loopback, kernels) > 0
+    small = dict(loopback, rows=[r for r in loopback["rows"] if r["bytes"] <= 256 << 10])
+    with pytest.raises(ValueError, match="largest 'gradsync none' row is 262144 bytes; the TCP stack's cost is read"):
+        model.host_network_cost(small, kernels)
+    largest = max(r["bytes"] for r in loopback["rows"] if r["impl"] == "gradsync none")
+    fast = dict(loopback, rows=[dict(r, time_ms=1e-3) if r["impl"] == "gradsync none" and r["bytes"] == largest else r
+                                for r in loopback["rows"]])
+    with pytest.raises(ValueError, match="no more than its kernels alone"):  # was a negative cost, used as it came
+        model.host_network_cost(fast, kernels)
+    (tmp_path / "fast.json").write_text(json.dumps(fast))
+    out = subprocess.run([sys.executable, "-m", "gradsync.model", "--validate", NETEM_JSON, "--kernels", KERNELS_JSON,
+                          "--loopback", "fast.json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "no more than its kernels alone" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
     (["--bucket-mb", "nan"], "--bucket-mb: must be a positive number of MB, got nan"),
     (["--bucket-mb", "25MB"], "--bucket-mb: must be a positive number of MB, got 25MB"),
+    (["--bucket-mb", "1e-9"], "--bucket-mb: must hold one fp32 element"),  # was titled 1e-09 and computed as 4 bytes
+    (["--validate", NETEM_JSON, "--latencies-from", NETEM_JSON], "names the --validate report itself"),
     (["--nccl-hop", KERNELS_JSON], "--nccl-hop is read only with --gpu-kernels"),  # was silently ignored
     (["--min-bytes", "4096"], "--min-bytes is read only with --validate"),
     (["--latencies-from", KERNELS_JSON], "--latencies-from is read only with --validate"),
