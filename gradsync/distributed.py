@@ -59,6 +59,13 @@ _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for 
 _sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
 _registered = weakref.WeakSet()  # groups of torch.distributed's registry, whose destruction it tells
 _DESTROYED = "gradsync: torch.distributed destroyed this process group"
+# In a child made by fork() from a process with process groups: a group torch.distributed does not
+# list may be one of the parent's, made by hand, whose connections the child must not drive.
+_forked_from_groups = False
+_UNLISTED_IN_CHILD = ("gradsync: this process was made by fork() from one with process groups, and torch.distributed "
+                      "does not list this group: it may be one of the parent's, made by hand, whose connections are "
+                      "the parent's, and gradsync cannot tell; make the child's groups with dist.new_group() (or "
+                      "init_process_group())")
 
 
 class AllReduceWork:
@@ -397,6 +404,8 @@ def _engine_of(group, stale):
         if engine is None and _backend_name(group) == "fake":
             raise ValueError("gradsync: the group's backend is torch's fake one (FakeProcessGroup, for dry runs), "
                              "whose messages carry nothing; gradsync's calls cannot run on it")
+        if engine is None and _forked_from_groups and group.size() > 1 and not _group_is_live(group):
+            raise RuntimeError(_UNLISTED_IN_CHILD)
         if engine is None:
             engine = _engines[group] = _C.RingEngine(group, _sequences.get(group, 0))
             if _group_is_live(group):
@@ -885,7 +894,9 @@ def _forget_engines_in_forked_child():
     would wait for its thread forever, at exit too. The child leaves them alone; its first
     all-reduce on a group of one rank starts an engine of its own, and calls on the inherited groups
     of several ranks raise. (All-reduces issued before the fork do not complete in the child.)"""
-    global _engines_lock, _stopped, _attach_locks, _shutdowns
+    global _engines_lock, _stopped, _attach_locks, _shutdowns, _forked_from_groups
+    _forked_from_groups = (_forked_from_groups or bool(_engines or _stopping or _broken)
+                           or (dist.is_available() and dist.is_initialized()))
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive

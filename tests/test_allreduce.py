@@ -854,6 +854,50 @@ def test_a_group_made_outside_torchs_registry(worlds):
     assert all(worlds(2).run(a_group_made_by_hand))
 
 
+def a_child_calls_on_a_group_made_by_hand_before_the_fork(rank, size):
+    """Where gradsync never used it before the fork, it did not know of the group, and the child drove
+    the parent's connections: it hung, and the parent aborted in gloo (epoll_ctl)."""
+    store = dist.PrefixStore(f"by-hand-{next(_BY_HAND)}", dist.distributed_c10d._get_default_store())
+    group = dist.ProcessGroup(store, rank, size)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                            dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=10)))
+    gradsync.all_reduce(torch.ones(10))  # gradsync runs, on the default group
+    out = {}
+    if rank == 0:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gradsync.all_reduce(torch.ones(8), op="sum", group=group)
+                said = b"returned"
+            except RuntimeError as e:
+                said = str(e).encode()
+            os.write(write, said[:4000])
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 20
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                out["child"] = "hung"
+                break
+            time.sleep(0.02)
+        out.setdefault("child", os.read(read, 4000).decode())
+        os.close(read)
+    dist.barrier()
+    y = torch.full((8,), float(rank + 1))
+    gradsync.all_reduce(y, op="sum", group=group)  # the parents' group is whole
+    out["parents"] = y.tolist()
+    return out
+
+
+def test_a_forked_child_refuses_a_group_made_by_hand_before_the_fork(worlds):
+    out = worlds(2).run(a_child_calls_on_a_group_made_by_hand_before_the_fork)
+    assert "made by fork() from one with process groups" in out[0]["child"], out
+    assert out[0]["parents"] == out[1]["parents"] == [3.0] * 8, out
+
+
 def timeouts_set_since(rank, size):
     """torch.distributed's _set_pg_timeout, as torchtitan sets it after a first step: gradsync's
     waits follow it, lowered or raised, as torch's collectives do."""
