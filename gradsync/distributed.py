@@ -59,13 +59,15 @@ _broken = weakref.WeakKeyDictionary()  # group -> why its ring is unusable, for 
 _sequences = weakref.WeakKeyDictionary()  # group -> its calls so far, for engines shutdown() released
 _registered = weakref.WeakSet()  # groups of torch.distributed's registry, whose destruction it tells
 _DESTROYED = "gradsync: torch.distributed destroyed this process group"
-# In a child made by fork() from a process with process groups: a group torch.distributed does not
-# list may be one of the parent's, made by hand, whose connections the child must not drive.
+# In a child made by fork() from a process with live groups of several ranks: a group torch.distributed
+# does not list may be one of the parent's, made by hand, whose connections the child must not drive.
 _forked_from_groups = False
-_UNLISTED_IN_CHILD = ("gradsync: this process was made by fork() from one with process groups, and torch.distributed "
-                      "does not list this group: it may be one of the parent's, made by hand, whose connections are "
-                      "the parent's, and gradsync cannot tell; make the child's groups with dist.new_group() (or "
-                      "init_process_group())")
+_MAKE_CHILD_GROUPS = ("dist.destroy_process_group(), then init_process_group() with a rendezvous of the child's own, "
+                      "then its groups")
+_UNLISTED_IN_CHILD = ("gradsync: this process was made by fork() from one with process groups of several ranks, and "
+                      "torch.distributed does not list this group: it may be one of the parent's, made by hand, whose "
+                      "connections are the parent's, and gradsync cannot tell; in the child, make groups through "
+                      "torch.distributed: " + _MAKE_CHILD_GROUPS)
 
 
 class AllReduceWork:
@@ -895,15 +897,15 @@ def _forget_engines_in_forked_child():
     all-reduce on a group of one rank starts an engine of its own, and calls on the inherited groups
     of several ranks raise. (All-reduces issued before the fork do not complete in the child.)"""
     global _engines_lock, _stopped, _attach_locks, _shutdowns, _forked_from_groups
-    _forked_from_groups = (_forked_from_groups or bool(_engines or _stopping or _broken)
-                           or (dist.is_available() and dist.is_initialized()))
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive
-    for group in [*_engines, *_stopping, *(_registered_groups() or {})]:
-        if group.size() > 1:
+    live = dist.is_available() and dist.is_initialized()
+    for group in [*_engines, *_stopping, *((_registered_groups() or {}) if live else {})]:
+        if group.size() > 1 and not _destroyed(group):
+            _forked_from_groups = True
             _broken[group] = ("gradsync: this process group was made before fork(), and its connections are the "
-                              "parent's; make new process groups in the child")
+                              "parent's; make the child's groups anew: " + _MAKE_CHILD_GROUPS)
     _engines.clear()
     _stopping.clear()
     _to_stop.clear()

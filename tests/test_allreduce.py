@@ -889,6 +889,7 @@ def a_child_calls_on_a_group_made_by_hand_before_the_fork(rank, size):
     y = torch.full((8,), float(rank + 1))
     gradsync.all_reduce(y, op="sum", group=group)  # the parents' group is whole
     out["parents"] = y.tolist()
+    gradsync.shutdown()  # no engine left for the later tests of this world to count
     return out
 
 
@@ -1119,6 +1120,45 @@ while time.monotonic() < deadline:
 os.kill(pid, 9)
 sys.exit("the forked child hung")
 """
+
+
+WORKERS_FORKED_AFTER_A_WORLD = """
+import datetime, os, sys, time, torch, torch.distributed as dist, gradsync
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("parent"), rank=0, world_size=1)
+gradsync.all_reduce(torch.ones(10))
+dist.destroy_process_group()  # a launcher that had a world of its own, gone before the workers
+pids = []
+for rank in range(2):
+    pid = os.fork()
+    if pid == 0:  # a worker: a world of its own and a group made by hand, as fault-tolerance libraries make it
+        dist.init_process_group("gloo", init_method="file://" + os.path.abspath("workers"), rank=rank, world_size=2)
+        store = dist.PrefixStore("by-hand", dist.distributed_c10d._get_default_store())
+        group = dist.ProcessGroup(store, rank, 2)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                                dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20)))
+        x = torch.full((8,), rank + 1.0)
+        gradsync.all_reduce(x, op="sum", group=group)
+        gradsync.shutdown()
+        os._exit(0 if x.tolist() == [3.0] * 8 else 3)
+    pids.append(pid)
+deadline, codes = time.monotonic() + 60, {}
+while len(codes) < len(pids) and time.monotonic() < deadline:
+    for pid in pids:
+        done, status = (0, 0) if pid in codes else os.waitpid(pid, os.WNOHANG)
+        if done:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+    time.sleep(0.05)
+for pid in set(pids) - set(codes):
+    os.kill(pid, 9)
+sys.exit(f"workers: {sorted(codes.values())}" if sorted(codes.values()) != [0, 0] else 0)
+"""
+
+
+def test_workers_forked_by_a_process_whose_world_is_gone_use_groups_made_by_hand(tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(WORKERS_FORKED_AFTER_A_WORLD)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_a_forked_child_all_reduces_and_exits(tmp_path):
