@@ -25,7 +25,8 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import _ALL_REDUCE, _ForgetResidualsOnLoad, _check_flag, _issue, _refusal, _resolve_group
-from .ops import FLOAT_DTYPES, FP8_BLOCK_SIZE, _byte_span, _check_codec, _eager_under_compile, flatten, unflatten
+from .ops import (FLOAT_DTYPES, FP8_BLOCK_SIZE, _PLAIN_TENSORS, _byte_span, _check_codec, _data_ptr, _eager_under_compile,
+                  flatten, unflatten)
 
 __all__ = ["DataParallel"]
 
@@ -586,6 +587,13 @@ class DataParallel(torch.nn.Module, Joinable):
             if p.requires_grad and p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"gradsync.DataParallel: parameter {name!r} is {p.dtype}; gradsync averages "
                                 "float32, float16 and bfloat16 gradients")
+        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for name, t in named:  # a DTensor's buckets would be plain tensors: its gradient lost, or torch's error
+                if t.numel() and not _data_ptr(t) and type(t) not in _PLAIN_TENSORS:
+                    raise TypeError(f"gradsync.DataParallel: {kind} {name!r} is a {type(t).__name__}, a tensor "
+                                    "subclass whose values live in the tensors it wraps, which buckets can neither "
+                                    "view nor fill; wrap a module of plain tensors (for tensor-parallel DTensor "
+                                    "parameters, DDP with a gradsync hook on the data-parallel group)")
         devices = sorted({str(t.device) for t in list(module.parameters()) + list(module.buffers())})
         if len(devices) > 1:
             raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "

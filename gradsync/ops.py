@@ -76,9 +76,13 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # without an address, their
 
 def _check_memory(t, name, reader):
     """What ``reader`` reads and writes through the tensor's address: its own elements, signed as stored."""
-    if t.numel() and not _data_ptr(t) and (_storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS):
-        raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
-                         "pass plain tensors")
+    if t.numel() and not _data_ptr(t):
+        if t._is_zerotensor():  # a storage of the right size, but never allocated
+            raise ValueError(f"{name} is a ZeroTensor (torch._efficientzerotensor), which has no memory to read or "
+                             f"write; pass a materialized one (torch.zeros_like({name}))")
+        if _storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS:
+            raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
+                             "pass plain tensors")
     if not _within_storage(t):
         raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the tensor was made)")
     if t.is_neg():

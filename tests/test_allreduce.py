@@ -1554,6 +1554,25 @@ def test_world_of_one_applies_the_codec_and_nothing_else(worlds):
     assert worlds(1).run(world_of_one) == [(True, True)]
 
 
+def zero_tensors_refused(rank, size):
+    """torch._efficientzerotensor: a plain tensor whose storage has a size but no memory (a segfault)."""
+    zero, said = torch._efficientzerotensor(1000), []
+    for call in (lambda: gradsync.all_reduce(zero), lambda: gradsync.reduce_scatter(torch.empty(1000 // size), zero),
+                 lambda: gradsync.all_gather(zero, torch.ones(1000 // size))):
+        try:
+            call()
+            said.append("no error")
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_zero_tensor_is_refused_by_name(worlds):
+    for said in worlds(1).run(zero_tensors_refused):
+        assert [s.split(" is a ZeroTensor")[0] for s in said] == ["tensor", "input", "output"], said
+        assert all("torch.zeros_like" in s for s in said), said
+
+
 def same_bits_up_to_nan_payload(a, b):
     """Bit for bit, except that a NaN need only meet a NaN: a GPU's arithmetic returns its own
     canonical NaN where x86 passes an operand's through."""

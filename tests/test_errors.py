@@ -233,6 +233,12 @@ def test_tensors_without_plain_memory_raise():
     wrapper = two_tensor.TwoTensor(torch.randn(3), torch.randn(3))  # a subclass without storage of its own
     with pytest.raises(ValueError, match=r"tensors\[0\] has no memory of its own"):
         gradsync.flatten([wrapper])
+    zero = torch._efficientzerotensor(300)  # a storage of 1,200 bytes, never allocated: fp8 read a null address
+    for call, name in ((lambda: gradsync.compress(zero, "fp8_e4m3"), "x"), (lambda: gradsync.flatten([zero]), r"tensors\[0\]"),
+                       (lambda: gradsync.decompress(gradsync.compress(torch.ones(300), "fp16"), "fp16", 300, out=zero),
+                        "out")):
+        with pytest.raises(ValueError, match=name + r" is a ZeroTensor \(torch._efficientzerotensor\)"):
+            call()
 
 
 def test_strided_destinations_that_interleave_are_written_in_one_call(monkeypatch):

@@ -2342,6 +2342,13 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     assert hooks.bf16_compress_hook.__name__ != "bf16_compress_hook"
 
 
+def a_linear_of_two_tensors():
+    from torch.testing._internal.two_tensor import TwoTensor
+    linear = torch.nn.Linear(2, 2)
+    linear.weight = torch.nn.Parameter(TwoTensor(torch.randn(2, 2), torch.randn(2, 2)))
+    return linear
+
+
 @pytest.mark.parametrize("call,error,words", [
     (lambda: hooks.fp16_compress_hook("world", None), TypeError, "hook state must be None, a torch.distributed"),
     (lambda: hooks.GradSyncState(codec="int8"), ValueError, "unknown codec 'int8'"),
@@ -2372,6 +2379,9 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2, device="meta")), ValueError,
      "the module is on the meta device (its parameters hold no values)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2)), RuntimeError, "torch.distributed to be initialized"),
+    # gradient_as_bucket_view=True kept the average of one half of it, silently
+    (lambda: gradsync.DataParallel(a_linear_of_two_tensors(), gradient_as_bucket_view=True), TypeError,
+     "parameter 'weight' is a TwoTensor, a tensor subclass whose values live in the tensors it wraps"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[0]), ValueError,
      "device_ids and output_device are for a module on one GPU; this one is on cpu (device_ids=[0])"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=0), TypeError,
