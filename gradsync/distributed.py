@@ -901,7 +901,9 @@ def _forget_engines_in_forked_child():
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive
     live = dist.is_available() and dist.is_initialized()
-    for group in [*_engines, *_stopping, *((_registered_groups() or {}) if live else {})]:
+    # the groups gradsync uses or used (shutdown() keeps their calls so far), and torch's
+    used = [*_engines, *_stopping, *_sequences.keys(), *_broken.keys()]
+    for group in [*used, *((_registered_groups() or {}) if live else {})]:
         if group.size() > 1 and not _destroyed(group):
             _forked_from_groups = True
             _broken[group] = ("gradsync: this process group was made before fork(), and its connections are the "

@@ -1154,6 +1154,66 @@ sys.exit(f"workers: {sorted(codes.values())}" if sorted(codes.values()) != [0, 0
 """
 
 
+A_GROUP_USED_THEN_SHUT_DOWN_BEFORE_A_FORK = """
+import datetime, multiprocessing, os, signal, sys, time
+
+
+def rank_main(rank, folder):
+    import torch, torch.distributed as dist, gradsync
+    # a world of one rank each, and a group of both made by hand (as fault-tolerance libraries do)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/world{rank}", rank=0, world_size=1)
+    store = dist.FileStore(f"{folder}/by-hand", 2)
+    group = dist.ProcessGroup(store, rank, 2)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                            dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=10)))
+    gradsync.all_reduce(torch.ones(8), group=group)
+    gradsync.shutdown()  # the group's engine is gone, and the group still the parent's
+    said = ""
+    if rank == 0:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gradsync.all_reduce(torch.ones(8), group=group)
+                os.write(write, b"returned")
+            except RuntimeError as e:
+                os.write(write, str(e).encode()[:2000])
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 20
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                sys.exit("the child hung")
+            time.sleep(0.02)
+        said = os.read(read, 2000).decode()
+    y = torch.full((8,), rank + 1.0)
+    gradsync.all_reduce(y, op="sum", group=group)
+    gradsync.shutdown()
+    sys.exit(0 if ("made before fork()" in said or rank == 1) and y.tolist() == [3.0] * 8 else f"{said!r} {y}")
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=rank_main, args=(rank, os.getcwd())) for rank in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(90)
+        if p.exitcode is None:
+            p.kill()
+    sys.exit(0 if [p.exitcode for p in ranks] == [0, 0] else f"exit codes {[p.exitcode for p in ranks]}")
+"""
+
+
+def test_a_forked_child_refuses_a_group_gradsync_used_before_a_shutdown(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(A_GROUP_USED_THEN_SHUT_DOWN_BEFORE_A_FORK)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_workers_forked_by_a_process_whose_world_is_gone_use_groups_made_by_hand(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(WORKERS_FORKED_AFTER_A_WORLD)
