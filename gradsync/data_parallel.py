@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import _ALL_REDUCE, _ForgetResidualsOnLoad, _check_flag, _issue, _refusal, _resolve_group
 from .ops import (FLOAT_DTYPES, FP8_BLOCK_SIZE, _PLAIN_TENSORS, _byte_span, _check_codec, _data_ptr, _eager_under_compile,
-                  flatten, unflatten)
+                  _storage_nbytes, flatten, unflatten)
 
 __all__ = ["DataParallel"]
 
@@ -587,13 +587,6 @@ class DataParallel(torch.nn.Module, Joinable):
             if p.requires_grad and p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"gradsync.DataParallel: parameter {name!r} is {p.dtype}; gradsync averages "
                                 "float32, float16 and bfloat16 gradients")
-        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-            for name, t in named:  # a DTensor's buckets would be plain tensors: its gradient lost, or torch's error
-                if t.numel() and not _data_ptr(t) and type(t) not in _PLAIN_TENSORS:
-                    raise TypeError(f"gradsync.DataParallel: {kind} {name!r} is a {type(t).__name__}, a tensor "
-                                    "subclass whose values live in the tensors it wraps, which buckets can neither "
-                                    "view nor fill; wrap a module of plain tensors (for tensor-parallel DTensor "
-                                    "parameters, DDP with a gradsync hook on the data-parallel group)")
         devices = sorted({str(t.device) for t in list(module.parameters()) + list(module.buffers())})
         if len(devices) > 1:
             raise ValueError(f"gradsync.DataParallel: the module's parameters and buffers are on several devices "
@@ -601,6 +594,13 @@ class DataParallel(torch.nn.Module, Joinable):
         if devices == ["meta"]:  # no values to broadcast: DDP fails on them deep inside its first broadcast
             raise ValueError("gradsync.DataParallel: the module is on the meta device (its parameters hold no "
                              "values); materialize them first (module.to_empty(device=...) and initialize them)")
+        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for name, t in named:  # a DTensor's buckets would be plain tensors: its gradient lost, or torch's error
+                if t.numel() and not _data_ptr(t) and type(t) not in _PLAIN_TENSORS and _storage_nbytes(t) != 0:
+                    raise TypeError(f"gradsync.DataParallel: {kind} {name!r} is a {type(t).__name__}, a tensor "
+                                    "subclass whose values live in the tensors it wraps, which buckets can neither "
+                                    "view nor fill; wrap a module of plain tensors (for tensor-parallel DTensor "
+                                    "parameters, DDP with a gradsync hook on the data-parallel group)")
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, params[0].device)
         self._copies_on_side_stream = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"  # as DDP's
         self.module = module

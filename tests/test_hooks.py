@@ -2342,6 +2342,16 @@ def test_bf16_hook_registers_without_cuda_or_nccl():
     assert hooks.bf16_compress_hook.__name__ != "bf16_compress_hook"
 
 
+class AParameterSubclass(torch.nn.Parameter):
+    pass
+
+
+def a_linear_of_parameter_subclasses(device):
+    linear = torch.nn.Linear(2, 2, device=device)
+    linear.weight, linear.bias = (AParameterSubclass(p.detach()) for p in (linear.weight, linear.bias))
+    return linear
+
+
 def a_linear_of_two_tensors():
     from torch.testing._internal.two_tensor import TwoTensor
     linear = torch.nn.Linear(2, 2)
@@ -2382,6 +2392,9 @@ def a_linear_of_two_tensors():
     # gradient_as_bucket_view=True kept the average of one half of it, silently
     (lambda: gradsync.DataParallel(a_linear_of_two_tensors(), gradient_as_bucket_view=True), TypeError,
      "parameter 'weight' is a TwoTensor, a tensor subclass whose values live in the tensors it wraps"),
+    # a Parameter subclass on the meta device (as accelerate's init_empty_weights keeps it) is on the meta device
+    (lambda: gradsync.DataParallel(a_linear_of_parameter_subclasses("meta")), ValueError,
+     "the module is on the meta device (its parameters hold no values)"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=[0]), ValueError,
      "device_ids and output_device are for a module on one GPU; this one is on cpu (device_ids=[0])"),
     (lambda: gradsync.DataParallel(torch.nn.Linear(2, 2), device_ids=0), TypeError,
