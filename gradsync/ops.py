@@ -77,11 +77,10 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # without an address, their
 def _check_memory(t, name, reader):
     """What ``reader`` reads and writes through the tensor's address: its own elements, signed as stored."""
     if t.numel() and not _data_ptr(t):
-        if _is_zero_tensor(t):  # a storage of the right size, never allocated; the kernels' dispatch reads it
-            if reader != "the kernels":  # as zeros (and refuses to write it), but the ring reads the address
-                raise ValueError(f"{name} is a ZeroTensor (torch._efficientzerotensor), which has no memory for "
-                                 f"{reader} to read or write; pass a materialized one (torch.zeros_like({name}))")
-        elif _storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS:
+        if _is_zero_tensor(t):  # a storage of the right size, never allocated
+            raise ValueError(f"{name} is a ZeroTensor (torch._efficientzerotensor), which has no memory for "
+                             f"{reader} to read or write; pass a materialized one (torch.zeros_like({name}))")
+        if _storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS:
             raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
                              "pass plain tensors")
     if not _within_storage(t):
@@ -547,9 +546,7 @@ def compress(x: torch.Tensor, codec: str, *, scale: float = 1.0, out: Optional[t
         _KERNELS.flatten_into.default([x], written, scale)
     else:
         _check_fp8_payload_alignment(out, "out")
-        # a ZeroTensor would reach the kernel as a broadcast zero, not as the contiguous elements it reads
-        source = torch.zeros(x.numel(), dtype=x.dtype, device=x.device) if _is_zero_tensor(x) else x.contiguous()
-        _KERNELS.fp8_encode.default(source.view(-1), written, _CODEC_IDS[codec], scale)
+        _KERNELS.fp8_encode.default(x.contiguous().view(-1), written, _CODEC_IDS[codec], scale)
     _copy_back([written], [out])
     return out
 
