@@ -25,8 +25,8 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import _ALL_REDUCE, _ForgetResidualsOnLoad, _check_flag, _issue, _refusal, _resolve_group
-from .ops import (FLOAT_DTYPES, FP8_BLOCK_SIZE, _PLAIN_TENSORS, _byte_span, _check_codec, _data_ptr, _eager_under_compile,
-                  _storage_nbytes, flatten, unflatten)
+from .ops import (FLOAT_DTYPES, FP8_BLOCK_SIZE, _PLAIN_TENSORS, _byte_span, _check_codec, _data_ptr,
+                  _eager_under_compile, _storage_nbytes, flatten, unflatten)
 
 __all__ = ["DataParallel"]
 

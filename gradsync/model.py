@@ -752,8 +752,8 @@ def _cache_warning(option, kernels):
     if not kernels.measured_bytes or kernels.measured_bytes >= CACHE_SAFE_BYTES:
         return None
     return (f"# {option}: the costs come from a buffer of {kernels.measured_bytes / 2**20:g} MB, which a cache may "
-            f"hold, so they may be too low; one of {CACHE_SAFE_BYTES >> 20} MB or more measures memory (bench_kernels.py's "
-            "default cases include one)")
+            f"hold, so they may be too low; one of {CACHE_SAFE_BYTES >> 20} MB or more measures memory "
+            "(bench_kernels.py's default cases include one)")
 
 
 def _positive_mb(text):

@@ -81,8 +81,8 @@ def _check_memory(t, name, reader):
             raise ValueError(f"{name} is a ZeroTensor (torch._efficientzerotensor), which has no memory for "
                              f"{reader} to read or write; pass a materialized one (torch.zeros_like({name}))")
         if _storage_nbytes(t) is None or type(t) not in _PLAIN_TENSORS:
-            raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps others?); "
-                             "pass plain tensors")
+            raise ValueError(f"{name} has no memory of its own to read or write (a tensor subclass that wraps "
+                             "others?); pass plain tensors")
     if not _within_storage(t):
         raise ValueError(f"{name} reaches past the end of its storage (resized or freed since the tensor was made)")
     if t.is_neg():

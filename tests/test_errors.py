@@ -237,7 +237,8 @@ def test_tensors_without_plain_memory_raise():
     # errors named another cause, and the collectives read address 0
     zero = torch._efficientzerotensor(300)
     payload = torch._efficientzerotensor(316, dtype=torch.uint8)
-    for call, name in ((lambda: gradsync.compress(zero, "fp8_e4m3"), "x"), (lambda: gradsync.flatten([zero]), r"tensors\[0\]"),
+    for call, name in ((lambda: gradsync.compress(zero, "fp8_e4m3"), "x"),
+                       (lambda: gradsync.flatten([zero]), r"tensors\[0\]"),
                        (lambda: gradsync.unflatten(zero, [torch.ones(300)]), "flat"),
                        (lambda: gradsync.unflatten(torch.ones(600), [zero, zero]), r"tensors\[0\]"),
                        (lambda: gradsync.decompress(payload, "fp8_e4m3", 300), "payload"),
