@@ -1160,6 +1160,8 @@ import datetime, multiprocessing, os, signal, sys, time
 
 
 def rank_main(rank, folder):
+    import faulthandler
+    faulthandler.enable(all_threads=True)  # where a rank aborts, the Python stacks say where
     import torch, torch.distributed as dist, gradsync
     # a world of one rank each, and a group of both made by hand (as fault-tolerance libraries do)
     dist.init_process_group("gloo", init_method=f"file://{folder}/world{rank}", rank=0, world_size=1)
