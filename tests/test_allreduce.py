@@ -1194,6 +1194,8 @@ def rank_main(rank, folder):
     y = torch.full((8,), rank + 1.0)
     gradsync.all_reduce(y, op="sum", group=group)
     gradsync.shutdown()
+    del group  # gloo's groups go before the interpreter does: left to the exit, gloo can abort there
+    dist.destroy_process_group()  # (pytorch/pytorch#190489)
     sys.exit(0 if ("made before fork()" in said or rank == 1) and y.tolist() == [3.0] * 8 else f"{said!r} {y}")
 
 
