@@ -6,7 +6,8 @@
 #include <c10/core/StreamGuard.h>
 
 #include <chrono>
-#include <future>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 
@@ -19,6 +20,21 @@
 
 #include "kernels/multi_tensor.h"
 #endif
+
+
+namespace {
+// Releases of engines begun on threads of their own and not finished yet. Never destroyed: those
+// threads may still run while the process's static objects go.
+struct Releases {
+  std::mutex mutex;
+  std::condition_variable finished;
+  int running = 0;
+};
+Releases& releases_in_flight() {
+  static Releases* releases = new Releases();
+  return *releases;
+}
+}  // namespace
 
 namespace gradsync {
 
@@ -642,22 +658,32 @@ void bind_ring(pybind11::module& m) {
   m.def("_on_engine_thread", &RingEngine::on_worker_thread);
   // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
   // their groups on a thread of their own, which never enters Python, so that the interpreter may
-  // exit while a call of theirs still waits for a peer. The caller waits up to wait_s for that (the
-  // GIL released) and learns whether it finished.
-  m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines, double wait_s) {
-    auto done = std::make_shared<std::promise<void>>();
-    auto released = done->get_future();
-    std::thread([engines = std::move(engines), done]() mutable {
+  // exit while a call of theirs still waits for a peer. _wait_for_releases waits up to wait_s (the
+  // GIL released) for every release begun so far, and says whether they all finished: at exit,
+  // one still tearing a backend down as the process ends can abort it.
+  m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
+    Releases& releases = releases_in_flight();
+    {
+      std::lock_guard<std::mutex> lock(releases.mutex);
+      ++releases.running;
+    }
+    std::thread([engines = std::move(engines), &releases]() mutable {
       for (auto& engine : engines) {
         engine->stop();
         engine->release_group();
       }
       engines.clear();
-      done->set_value();
+      std::lock_guard<std::mutex> lock(releases.mutex);
+      --releases.running;
+      releases.finished.notify_all();
     }).detach();
+  }, py::arg("engines"));
+  m.def("_wait_for_releases", [](double wait_s) {
+    Releases& releases = releases_in_flight();
     py::gil_scoped_release unlocked;  // the backend's teardown may need the GIL
-    return released.wait_for(std::chrono::duration<double>(wait_s)) == std::future_status::ready;
-  }, py::arg("engines"), py::arg("wait_s") = 0.0);
+    std::unique_lock<std::mutex> lock(releases.mutex);
+    return releases.finished.wait_for(lock, std::chrono::duration<double>(wait_s), [&] { return releases.running == 0; });
+  }, py::arg("wait_s"));
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)

@@ -875,7 +875,9 @@ def _stop_engines():
     finally:
         group = None  # the engines' references are then the last, unless the caller holds one
         if released:
-            _C._release_engines(released, wait_s=EXIT_RELEASE_S)
+            _C._release_engines(released)
+        if _exiting:  # these, and those begun before (by shutdown(), or a call that found its group destroyed)
+            _C._wait_for_releases(EXIT_RELEASE_S)
 
 
 def _settle_stopped(group, engine, why=None):
