@@ -30,10 +30,8 @@ struct Releases {
   std::condition_variable finished;
   int running = 0;
 };
-Releases& releases_in_flight() {
-  static Releases* releases = new Releases();
-  return *releases;
-}
+Releases* releases = new Releases();
+Releases& releases_in_flight() { return *releases; }
 }  // namespace
 
 namespace gradsync {
@@ -684,6 +682,9 @@ void bind_ring(pybind11::module& m) {
     std::unique_lock<std::mutex> lock(releases.mutex);
     return releases.finished.wait_for(lock, std::chrono::duration<double>(wait_s), [&] { return releases.running == 0; });
   }, py::arg("wait_s"));
+  // In a forked child: the parent's release threads did not survive the fork, and their count and
+  // mutex are as they left them; the child counts its own.
+  m.def("_forget_releases_after_fork", [] { releases = new Releases(); });
   py::class_<RingWork, std::shared_ptr<RingWork>>(m, "RingWork")
       .def("wait", &RingWork::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &RingWork::is_completed)

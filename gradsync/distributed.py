@@ -899,6 +899,7 @@ def _forget_engines_in_forked_child():
     all-reduce on a group of one rank starts an engine of its own, and calls on the inherited groups
     of several ranks raise. (All-reduces issued before the fork do not complete in the child.)"""
     global _engines_lock, _stopped, _attach_locks, _shutdowns, _forked_from_groups
+    _C._forget_releases_after_fork()  # the exit would wait for the parent's releases, if not forever
     for engine in [*_engines.values(), *_stopping.values()]:
         engine.abandon_after_fork()
     # a group of several ranks is the parent's connections, which the child must not drive
