@@ -516,7 +516,8 @@ def test_a_loopback_run_too_small_or_faster_than_its_kernels_is_refused(tmp_path
     (["--bucket-mb", "nan"], "--bucket-mb: must be a positive number of MB, got nan"),
     (["--bucket-mb", "25MB"], "--bucket-mb: must be a positive number of MB, got 25MB"),
     (["--bucket-mb", "1e-9"], "--bucket-mb: must hold one fp32 element"),  # was titled 1e-09 and computed as 4 bytes
-    (["--validate", NETEM_JSON, "--latencies-from", NETEM_JSON], "names the --validate report itself"),
+    (["--validate", NETEM_JSON, "--latencies-from", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
+     "names the --validate report itself"),
     (["--nccl-hop", KERNELS_JSON], "--nccl-hop is read only with --gpu-kernels"),  # was silently ignored
     (["--min-bytes", "4096"], "--min-bytes is read only with --validate"),
     (["--latencies-from", KERNELS_JSON], "--latencies-from is read only with --validate"),
