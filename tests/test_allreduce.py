@@ -1213,19 +1213,21 @@ if __name__ == "__main__":
 """
 
 
+def run_script(tmp_path, text):
+    """Runs ``text`` as a script in ``tmp_path``, over loopback, as the other script tests do."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+
+
 def test_a_forked_child_refuses_a_group_gradsync_used_before_a_shutdown(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(A_GROUP_USED_THEN_SHUT_DOWN_BEFORE_A_FORK)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    out = run_script(tmp_path, A_GROUP_USED_THEN_SHUT_DOWN_BEFORE_A_FORK)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_workers_forked_by_a_process_whose_world_is_gone_use_groups_made_by_hand(tmp_path):
-    script = tmp_path / "launcher.py"
-    script.write_text(WORKERS_FORKED_AFTER_A_WORLD)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    out = run_script(tmp_path, WORKERS_FORKED_AFTER_A_WORLD)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
