@@ -394,7 +394,7 @@ def _fresh_under_compile(targets):
 
 
 def _copy_back(written, targets):
-    if written is targets:  # eager: the kernel wrote the targets (no per-tensor loop on the hot path)
+    if not _compiling():  # eager: the kernel wrote the targets (no per-tensor loop on the hot path)
         return
     for fresh, target in zip(written, targets):
         if fresh is not target:
