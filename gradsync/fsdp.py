@@ -196,15 +196,17 @@ def _check_reduce_dtype(dtype, caller):
 
 def _check_reduce_dtypes(found, caller):
     """What FSDP2 will reduce each trainable parameter's gradient in: its MixedPrecisionPolicy's
-    reduce_dtype, else its param_dtype, else the parameter's own dtype."""
+    reduce_dtype, else its param_dtype (the parameter's own dtype where FSDP2 brings gradients back
+    to it first, as its per-parameter policies do), else the parameter's own dtype."""
     for _, groups in found:
         for g in groups:
-            policy = getattr(g, "mp_policy", None)
             for fp in getattr(g, "fsdp_params", ()):
                 param = fp.sharded_param
-                if param.requires_grad:
-                    _check_reduce_dtype(getattr(policy, "reduce_dtype", None) or
-                                        getattr(policy, "param_dtype", None) or param.dtype, caller)
+                if not param.requires_grad:
+                    continue
+                policy = getattr(fp, "mp_policy", None) or getattr(g, "mp_policy", None)
+                compute = None if hasattr(type(fp), "unsharded_grad_dtype") else getattr(policy, "param_dtype", None)
+                _check_reduce_dtype(getattr(policy, "reduce_dtype", None) or compute or param.dtype, caller)
 
 
 def _trainable(param_groups):

@@ -741,6 +741,39 @@ def test_fsdp2_setup_corners(worlds):
         assert steps[:2] == ["ok", "ok"] and "the ranks disagree on the call" in steps[2], steps
 
 
+def fsdp_computing_in_float32_without_a_reduce_dtype(rank, size):
+    """A float64 model under param_dtype=float32 and no reduce_dtype: torch 2.14 and before reduce
+    its gradients in float32, later releases bring them back to float64 first. What the setup's
+    check says, and what the first backward does: through gradsync if the check let it, else
+    through a reduce-scatter set without the check."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from gradsync import fsdp
+
+    model = fully_shard(TwoHeads().double(), mesh=init_device_mesh("cpu", (size,)),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    try:
+        fsdp.compress_reduce_scatter(model, "bf16")
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+        model.set_custom_reduce_scatter(fsdp.ReduceScatter("bf16"))
+    try:
+        model(torch.randn(2, 4, dtype=torch.float64), True).sum().backward()
+        return refused, None
+    except TypeError as e:
+        return refused, str(e)
+
+
+def test_fsdp2_setup_refuses_what_the_backward_would_reduce_in_float64(worlds):
+    for refused, backward in worlds(2).run(fsdp_computing_in_float32_without_a_reduce_dtype):
+        if refused is None:
+            assert backward is None, backward
+        else:
+            assert "FSDP2 reduces this module's gradients in torch.float64" in refused, refused
+            assert "ReduceScatter: FSDP2 reduces this module's gradients in torch.float64" in backward, backward
+
 
 def fsdp_loaded_in_place(rank, size):
     """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a model whose
