@@ -195,18 +195,33 @@ def _check_reduce_dtype(dtype, caller):
 
 
 def _check_reduce_dtypes(found, caller):
-    """What FSDP2 will reduce each trainable parameter's gradient in: its MixedPrecisionPolicy's
-    reduce_dtype, else its param_dtype (the parameter's own dtype where FSDP2 brings gradients back
-    to it first, as its per-parameter policies do), else the parameter's own dtype."""
+    """Checks what FSDP2 will reduce each trainable parameter's gradient in (the group reduces in
+    their promoted dtype, which is float64 where any of them is)."""
     for _, groups in found:
         for g in groups:
             for fp in getattr(g, "fsdp_params", ()):
-                param = fp.sharded_param
-                if not param.requires_grad:
-                    continue
-                policy = getattr(fp, "mp_policy", None) or getattr(g, "mp_policy", None)
-                compute = None if hasattr(type(fp), "unsharded_grad_dtype") else getattr(policy, "param_dtype", None)
-                _check_reduce_dtype(getattr(policy, "reduce_dtype", None) or compute or param.dtype, caller)
+                if fp.sharded_param.requires_grad:
+                    _check_reduce_dtype(_reduce_dtype_of(fp, getattr(fp, "mp_policy", None) or
+                                                         getattr(g, "mp_policy", None)), caller)
+
+
+def _reduce_dtype_of(fp, policy):
+    """The MixedPrecisionPolicy's reduce_dtype, else the dtype the gradient was computed in (its
+    param_dtype, else the parameter's own), which torch 2.15's FSDP2 first casts to the parameter's
+    grad_dtype (a grad_dtype of None leaves it as computed; none set is the parameter's dtype)."""
+    param = fp.sharded_param
+    if getattr(policy, "reduce_dtype", None) is not None:
+        return policy.reduce_dtype
+    computed = getattr(policy, "param_dtype", None) or param.dtype
+    if not hasattr(type(fp), "unsharded_grad_dtype"):  # torch 2.14 and before
+        return computed
+    if getattr(param, "_has_grad_dtype_override", False):
+        grad_dtype = param.grad_dtype
+    elif getattr(fp, "_has_sharded_grad_dtype_override", False):
+        grad_dtype = fp.sharded_grad_dtype
+    else:
+        grad_dtype = param.dtype
+    return grad_dtype or computed
 
 
 def _trainable(param_groups):

@@ -741,38 +741,51 @@ def test_fsdp2_setup_corners(worlds):
         assert steps[:2] == ["ok", "ok"] and "the ranks disagree on the call" in steps[2], steps
 
 
-def fsdp_computing_in_float32_without_a_reduce_dtype(rank, size):
-    """A float64 model under param_dtype=float32 and no reduce_dtype: torch 2.14 and before reduce
-    its gradients in float32, later releases bring them back to float64 first. What the setup's
-    check says, and what the first backward does: through gradsync if the check let it, else
-    through a reduce-scatter set without the check."""
+def fsdp_setups_without_a_reduce_dtype(rank, size):
+    """Models whose gradients FSDP2 reduces in float64 or not, depending on torch: a float64 model
+    under param_dtype=float32 (torch 2.14 and before reduce in float32, later releases bring the
+    gradients back to float64 first), and where tensors have a grad_dtype (torch 2.15), parameters
+    whose grad_dtype differs from their dtype. Per setup: what the setup's check says, and what the
+    first backward does, through gradsync if the check let it, else through a reduce-scatter set
+    without the check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gradsync import fsdp
 
-    model = fully_shard(TwoHeads().double(), mesh=init_device_mesh("cpu", (size,)),
-                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
-    try:
-        fsdp.compress_reduce_scatter(model, "bf16")
-        refused = None
-    except TypeError as e:
-        refused = str(e)
-        model.set_custom_reduce_scatter(fsdp.ReduceScatter("bf16"))
-    try:
-        model(torch.randn(2, 4, dtype=torch.float64), True).sum().backward()
-        return refused, None
-    except TypeError as e:
-        return refused, str(e)
+    setups = [(torch.float64, torch.float32, None)]
+    if hasattr(torch.nn.Parameter(torch.empty(1)), "grad_dtype"):
+        setups += [(torch.float32, None, torch.float64), (torch.float64, None, torch.float32)]
+    outcomes = []
+    for dtype, param_dtype, grad_dtype in setups:
+        module = TwoHeads().to(dtype)
+        for p in module.parameters():
+            if grad_dtype is not None:
+                p.grad_dtype = grad_dtype
+        model = fully_shard(module, mesh=init_device_mesh("cpu", (size,)),
+                            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+        try:
+            fsdp.compress_reduce_scatter(model, "bf16")
+            refused = None
+        except TypeError as e:
+            refused = str(e)
+            model.set_custom_reduce_scatter(fsdp.ReduceScatter("bf16"))
+        try:
+            model(torch.randn(2, 4, dtype=dtype), True).sum().backward()
+            outcomes.append((refused, None))
+        except TypeError as e:
+            outcomes.append((refused, str(e)))
+    return outcomes
 
 
 def test_fsdp2_setup_refuses_what_the_backward_would_reduce_in_float64(worlds):
-    for refused, backward in worlds(2).run(fsdp_computing_in_float32_without_a_reduce_dtype):
-        if refused is None:
-            assert backward is None, backward
-        else:
-            assert "FSDP2 reduces this module's gradients in torch.float64" in refused, refused
-            assert "ReduceScatter: FSDP2 reduces this module's gradients in torch.float64" in backward, backward
+    for outcomes in worlds(2).run(fsdp_setups_without_a_reduce_dtype):
+        for refused, backward in outcomes:
+            if refused is None:
+                assert backward is None, backward
+            else:
+                assert "FSDP2 reduces this module's gradients in torch.float64" in refused, refused
+                assert "ReduceScatter: FSDP2 reduces this module's gradients in torch.float64" in backward, backward
 
 
 def fsdp_loaded_in_place(rank, size):
