@@ -394,7 +394,9 @@ def _fresh_under_compile(targets):
 
 
 def _copy_back(written, targets):
-    if not _compiling():  # eager: the kernel wrote the targets (no per-tensor loop on the hot path)
+    # eager, the kernel wrote the targets (no per-tensor loop on the hot path); fresh tensors made
+    # in a traced frame are copied even where this runs eagerly
+    if not written or (written[0] is targets[0] and not _compiling()):
         return
     for fresh, target in zip(written, targets):
         if fresh is not target:
