@@ -520,7 +520,8 @@ void RingEngine::execute(Job& job) {
 }
 
 void RingEngine::mark_unusable(const std::string& what) {
-  broken_ = "gradsync: an earlier all-reduce on this group failed, so the group's ring is unusable: " + what;
+  broken_ = "gradsync: an earlier call on this group (all-reduce, reduce-scatter or all-gather) failed, so the "
+            "group's ring is unusable: " + what;
 }
 
 void RingEngine::checked(RingCall call, const std::exception_ptr& unprepared,
