@@ -195,8 +195,8 @@ def _check_reduce_dtype(dtype, caller):
 
 
 def _check_reduce_dtypes(found, caller):
-    """Checks what FSDP2 will reduce each trainable parameter's gradient in (the group reduces in
-    their promoted dtype, which is float64 where any of them is)."""
+    """Checks what FSDP2 will reduce each trainable parameter's gradient in (torch 2.15 reduces a
+    group in their promoted dtype, which is float64 where any of them is)."""
     for _, groups in found:
         for g in groups:
             for fp in getattr(g, "fsdp_params", ()):
@@ -207,8 +207,9 @@ def _check_reduce_dtypes(found, caller):
 
 def _reduce_dtype_of(fp, policy):
     """The MixedPrecisionPolicy's reduce_dtype, else the dtype the gradient was computed in (its
-    param_dtype, else the parameter's own), which torch 2.15's FSDP2 first casts to the parameter's
-    grad_dtype (a grad_dtype of None leaves it as computed; none set is the parameter's dtype)."""
+    param_dtype, else the parameter's own), or under torch 2.15 the parameter's grad_dtype, to
+    which its FSDP2 reduces the gradients (a grad_dtype of None: as computed; none set: the
+    parameter's dtype)."""
     param = fp.sharded_param
     if getattr(policy, "reduce_dtype", None) is not None:
         return policy.reduce_dtype

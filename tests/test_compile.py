@@ -158,11 +158,13 @@ def test_fresh_outputs_of_a_traced_frame_are_copied_back_where_the_copy_runs_eag
     flat = torch.randn(sum(t.numel() for t in tensors), generator=g)
     monkeypatch.setattr(gradsync.ops, "_copy_back", torch.compiler.disable(gradsync.ops._copy_back))
     outs = [torch.zeros_like(t) for t in tensors]
-    torch.compile(lambda: gradsync.unflatten(flat, outs, scale=2.0), backend="eager")()
+    try:
+        torch.compile(lambda: gradsync.unflatten(flat, outs, scale=2.0), backend="eager")()
+    finally:
+        torch._dynamo.reset()
     expected = [torch.zeros_like(t) for t in tensors]
     gradsync.unflatten(flat, expected, scale=2.0)
     assert all(same_bits(out, e) for out, e in zip(outs, expected))
-    torch._dynamo.reset()
 
 
 def test_a_scale_computed_in_compiled_code_is_traced_once_not_once_per_value():

@@ -744,23 +744,22 @@ def test_fsdp2_setup_corners(worlds):
 def fsdp_setups_without_a_reduce_dtype(rank, size):
     """Models whose gradients FSDP2 reduces in float64 or not, depending on torch: a float64 model
     under param_dtype=float32 (torch 2.14 and before reduce in float32, later releases bring the
-    gradients back to float64 first), and where tensors have a grad_dtype (torch 2.15), parameters
-    whose grad_dtype differs from their dtype. Per setup: what the setup's check says, and what the
-    first backward does, through gradsync if the check let it, else through a reduce-scatter set
-    without the check."""
+    gradients back to float64 first), and parameters whose grad_dtype differs from their dtype
+    (which torch 2.15 reduces in, and earlier releases ignore). Per setup: what the setup's check
+    says, and what the first backward does, through gradsync if the check let it, else through a
+    reduce-scatter set without the check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gradsync import fsdp
 
-    setups = [(torch.float64, torch.float32, None)]
-    if hasattr(torch.nn.Parameter(torch.empty(1)), "grad_dtype"):
-        setups += [(torch.float32, None, torch.float64), (torch.float64, None, torch.float32)]
     outcomes = []
-    for dtype, param_dtype, grad_dtype in setups:
+    for dtype, param_dtype, grad_dtype in ((torch.float64, torch.float32, None),
+                                           (torch.float32, None, torch.float64),
+                                           (torch.float64, None, torch.float32)):
         module = TwoHeads().to(dtype)
-        for p in module.parameters():
-            if grad_dtype is not None:
+        if grad_dtype is not None:
+            for p in module.parameters():
                 p.grad_dtype = grad_dtype
         model = fully_shard(module, mesh=init_device_mesh("cpu", (size,)),
                             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
