@@ -21,7 +21,6 @@
 #include "kernels/multi_tensor.h"
 #endif
 
-
 namespace {
 // Releases of engines begun on threads of their own and not finished yet. Never destroyed: those
 // threads may still run while the process's static objects go.
@@ -31,7 +30,6 @@ struct Releases {
   int running = 0;
 };
 Releases* releases = new Releases();
-Releases& releases_in_flight() { return *releases; }
 }  // namespace
 
 namespace gradsync {
@@ -661,27 +659,27 @@ void bind_ring(pybind11::module& m) {
   // GIL released) for every release begun so far, and says whether they all finished: at exit,
   // one still tearing a backend down as the process ends can abort it.
   m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
-    Releases& releases = releases_in_flight();
+    Releases& counted = *releases;
     {
-      std::lock_guard<std::mutex> lock(releases.mutex);
-      ++releases.running;
+      std::lock_guard<std::mutex> lock(counted.mutex);
+      ++counted.running;
     }
-    std::thread([engines = std::move(engines), &releases]() mutable {
+    std::thread([engines = std::move(engines), &counted]() mutable {
       for (auto& engine : engines) {
         engine->stop();
         engine->release_group();
       }
       engines.clear();
-      std::lock_guard<std::mutex> lock(releases.mutex);
-      --releases.running;
-      releases.finished.notify_all();
+      std::lock_guard<std::mutex> lock(counted.mutex);
+      --counted.running;
+      counted.finished.notify_all();
     }).detach();
   }, py::arg("engines"));
   m.def("_wait_for_releases", [](double wait_s) {
-    Releases& releases = releases_in_flight();
+    Releases& counted = *releases;
     py::gil_scoped_release unlocked;  // the backend's teardown may need the GIL
-    std::unique_lock<std::mutex> lock(releases.mutex);
-    return releases.finished.wait_for(lock, std::chrono::duration<double>(wait_s), [&] { return releases.running == 0; });
+    std::unique_lock<std::mutex> lock(counted.mutex);
+    return counted.finished.wait_for(lock, std::chrono::duration<double>(wait_s), [&] { return counted.running == 0; });
   }, py::arg("wait_s"));
   // In a forked child: the parent's release threads did not survive the fork, and their count and
   // mutex are as they left them; the child counts its own.
