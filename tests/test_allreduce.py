@@ -772,6 +772,51 @@ def test_a_dead_peer_makes_the_survivors_raise_within_the_timeout():
         world.close()
 
 
+def all_reduce_ones(rank, size):
+    x = torch.ones(97)
+    gradsync.all_reduce(x, op="sum", codec="fp16")
+    return x.tolist() == [float(size)] * 97
+
+
+def exit_now(rank, size):
+    os._exit(0)
+
+
+def two_calls_and_their_errors(rank, size):
+    errors = []
+    for _ in range(2):
+        try:
+            gradsync.all_reduce(torch.ones(97), codec="fp16")
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - the wording is what is checked
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_a_peer_dead_between_calls_fails_every_survivors_ring_alike():
+    """Rank 1 exits between calls. Its successor, rank 2, fails as it posts the first receive from
+    it (gloo refuses a closed connection at once); that rank too must say which call failed where
+    and hold its ring unusable, like rank 0, whose posts went out before the wire failed."""
+    world = World(3, group_timeout_s=10)
+    try:
+        assert world.run(all_reduce_ones) == [True] * 3
+        world.conns[1].send((exit_now.__module__, exit_now.__name__, ()))
+        world.procs[1].join(30)
+        assert world.procs[1].exitcode == 0
+        errors = {}
+        for rank in (0, 2):
+            world.conns[rank].send((two_calls_and_their_errors.__module__, two_calls_and_their_errors.__name__, ()))
+        for rank in (0, 2):
+            assert world.conns[rank].poll(60), f"rank {rank} hangs"
+            status, errors[rank] = world.conns[rank].recv()
+            assert status == "ok", errors[rank]
+        for rank, (first, later) in errors.items():
+            assert f"failed in the ring (rank {rank} of 3), and the group's ring is unusable from now on" in first, (rank, first)
+            assert "an earlier call on this group (all-reduce, reduce-scatter or all-gather) failed" in later, (rank, later)
+    finally:
+        world.close()
+
+
 def call_once_and_time_the_failure(rank, size):
     x = torch.randn(1 << 20)
     before = x.clone()

@@ -35,8 +35,8 @@ int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, u
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) throw std::runtime_error(kAborted);
+  ++posted_;  // before the group can refuse it: see posted()
   pending_.push_back(group_->send(tensors, peer, static_cast<int>(tag)));
-  ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
@@ -44,8 +44,8 @@ int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) throw std::runtime_error(kAborted);
+  ++posted_;  // before the group can refuse it: see posted()
   pending_.push_back(group_->recv(tensors, peer, static_cast<int>(tag)));
-  ++posted_;
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
