@@ -401,8 +401,8 @@ def main():
     if args.gloo_loop_nice is not None:
         dist.barrier()  # the default group's pairs and their loop threads exist
         if nice_gloo_loops(args.gloo_loop_nice) == 0:
-            sys.exit("--gloo-loop-nice: this process has no thread named gloo_tcp_loop (the gloo of torch 2.11 "
-                     "leaves its event-loop thread unnamed, that of 2.13 names it)")
+            sys.exit("--gloo-loop-nice: this process has no thread named gloo_tcp_loop (the gloo of torch 2.12 "
+                     "and earlier leaves its event-loop thread unnamed, that of 2.13 names it)")
     title = (f"all-reduce, {n} ranks, {dist.get_backend()} on {common.machine_description(device)}; "
              f"gradsync {gradsync.__version__}")
     meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__}

@@ -443,9 +443,11 @@ def _backend_name(group):
     return ",".join(f"{device}:{name}" for device, name in names.items())
 
 
-def _nccl_only(group):
-    """Whether NCCL is the group's only backend (CUDA tensors only)."""
-    return _backend_name(group) == "nccl"
+def _without_cpu_backend(backend):
+    """Whether a group of that backend has none for CPU tensors ("nccl", or backends named per device
+    without "cpu:"). A group named otherwise says so itself, at its first post."""
+    devices = [part.split(":")[0].strip() for part in backend.split(",") if ":" in part]
+    return backend == "nccl" or (bool(devices) and "cpu" not in devices)
 
 
 def _uses_nccl(group):
@@ -669,9 +671,15 @@ def _check_not_capturing(t, caller):
 
 
 def _check_backend(t, name, group):
-    if not t.is_cuda and _nccl_only(group):
+    backend = _backend_name(group)
+    if (t.is_cuda and _moves_cuda_with_nccl(backend)) or not _without_cpu_backend(backend):
+        return
+    if backend == "nccl":
         raise ValueError(f"{name} is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it "
                          "to this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    raise ValueError(f"{name} is on {t.device}, but the group's backend is {backend}, which has none for CPU tensors, "
+                     "and gradsync's ring over a process group moves host memory (CUDA tensors are staged there): use a "
+                     "group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
 
 
 def _slice_bytes(engine, tensor):

@@ -804,15 +804,73 @@ def test_a_peer_dead_between_calls_fails_every_survivors_ring_alike():
         world.procs[1].join(30)
         assert world.procs[1].exitcode == 0
         errors = {}
+        calls = (two_calls_and_their_errors.__module__, two_calls_and_their_errors.__name__, ())
         for rank in (0, 2):
-            world.conns[rank].send((two_calls_and_their_errors.__module__, two_calls_and_their_errors.__name__, ()))
+            world.conns[rank].send(calls)
         for rank in (0, 2):
             assert world.conns[rank].poll(60), f"rank {rank} hangs"
             status, errors[rank] = world.conns[rank].recv()
             assert status == "ok", errors[rank]
+        unusable = "an earlier call on this group (all-reduce, reduce-scatter or all-gather) failed"
         for rank, (first, later) in errors.items():
-            assert f"failed in the ring (rank {rank} of 3), and the group's ring is unusable from now on" in first, (rank, first)
-            assert "an earlier call on this group (all-reduce, reduce-scatter or all-gather) failed" in later, (rank, later)
+            assert f"failed in the ring (rank {rank} of 3), and the group's ring is unusable" in first, (rank, first)
+            assert unusable in later, (rank, later)
+    finally:
+        world.close()
+
+
+def calls_on_a_group_without_a_cpu_backend(rank, size):
+    group = dist.new_group(backend="cuda:gloo")
+    errors = []
+    for call in (lambda: gradsync.all_reduce(torch.ones(8), group=group),
+                 lambda: gradsync.reduce_scatter(torch.empty(1), torch.ones(size), group=group),
+                 lambda: gradsync.all_gather(torch.empty(size), torch.ones(1), group=group)):
+        try:
+            call()
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    x = torch.ones(8)
+    gradsync.all_reduce(x, op="sum")
+    return errors, x.tolist() == [float(size)] * 8
+
+
+def test_cpu_tensors_on_a_group_without_a_cpu_backend_are_refused_at_once():
+    world = World(3, group_timeout_s=30)
+    try:
+        for errors, default_group_sums in world.run(calls_on_a_group_without_a_cpu_backend, timeout=60):
+            assert default_group_sums
+            for error, name in zip(errors, ("tensor", "input", "output")):
+                assert error.startswith(f"{name} is on cpu, but the group's backend is cuda:gloo, which has none"), error
+    finally:
+        world.close()
+
+
+def calls_on_a_group_that_gains_its_cpu_backend_late(rank, size, folder):
+    store = dist.FileStore(os.path.join(folder, "late-backend"), size)
+    group = dist.ProcessGroup(dist.PrefixStore("group", store), rank, size)  # made outside the registry
+    outcomes = []
+    for call in range(3):
+        if call == 1:
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, datetime.timedelta(seconds=30))
+            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        x = torch.ones(8)
+        try:
+            gradsync.all_reduce(x, op="sum", group=group)
+            outcomes.append(x.tolist() == [float(size)] * 8)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+def test_posts_refused_for_want_of_a_cpu_backend_leave_the_ring_usable():
+    """Every rank's first post is refused alike, so nothing is in flight: once the group has a CPU
+    backend its ring works (a refusal from a backend, as for a dead peer, would end it)."""
+    world = World(3, group_timeout_s=30)
+    try:
+        for first, *later in world.run(calls_on_a_group_that_gains_its_cpu_backend_late, world.folder, timeout=60):
+            assert str(first).startswith("gradsync: the process group has no backend for CPU tensors"), first
+            assert later == [True, True], later
     finally:
         world.close()
 

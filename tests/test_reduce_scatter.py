@@ -327,7 +327,7 @@ FSDP_MODES = {"none": 1e-6, "fp16": 1e-4, "bf16": 1e-3, "fp8_e4m3+ef": 5e-3, "fp
 
 def fsdp2_has_error_feedback():
     """gradsync's FSDP2 hooks keep residuals only where FSDP2 can reduce-scatter every parameter in
-    every step (FSDPModule.set_reduce_scatter_unused_params; torch 2.11's FSDP2 lacks it)."""
+    every step (FSDPModule.set_reduce_scatter_unused_params; the FSDP2 of torch 2.12 and earlier lacks it)."""
     from torch.distributed.fsdp import FSDPModule
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 

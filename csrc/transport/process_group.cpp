@@ -31,12 +31,29 @@ void ProcessGroupTransport::wait_for(const c10::intrusive_ptr<c10d::Work>& work,
   if (aborted_) throw std::runtime_error(kAborted);
 }
 
+// A post the group refuses counts (see posted()), unless the group has no CPU backend to refuse
+// it: then every rank's post is refused alike and none went anywhere.
+template <typename Post>
+c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::posting(const Post& post) {
+  try {
+    auto work = post();
+    ++posted_;
+    return work;
+  } catch (const std::exception& e) {
+    if (group_->hasBackendForDeviceType(c10::DeviceType::CPU)) {
+      ++posted_;
+      throw;
+    }
+    throw std::runtime_error(std::string("gradsync: the process group has no backend for CPU tensors, and the ring "
+                                         "over it moves host memory (CUDA tensors are staged there): ") + e.what());
+  }
+}
+
 int64_t ProcessGroupTransport::send(const void* data, int64_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) throw std::runtime_error(kAborted);
-  ++posted_;  // before the group can refuse it: see posted()
-  pending_.push_back(group_->send(tensors, peer, static_cast<int>(tag)));
+  pending_.push_back(posting([&] { return group_->send(tensors, peer, static_cast<int>(tag)); }));
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 
@@ -44,8 +61,7 @@ int64_t ProcessGroupTransport::recv(void* data, int64_t bytes, int peer, uint32_
   std::vector<at::Tensor> tensors{host_bytes(data, bytes)};
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) throw std::runtime_error(kAborted);
-  ++posted_;  // before the group can refuse it: see posted()
-  pending_.push_back(group_->recv(tensors, peer, static_cast<int>(tag)));
+  pending_.push_back(posting([&] { return group_->recv(tensors, peer, static_cast<int>(tag)); }));
   return static_cast<int64_t>(pending_.size()) - 1;
 }
 

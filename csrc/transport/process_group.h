@@ -37,13 +37,15 @@ class ProcessGroupTransport : public Transport {
   // For calls whose peers will never answer, which the process ends without.
   void abort();
   // How many messages were ever posted: unchanged across a failed call means none is in flight.
-  // A post the group refused counts (gloo refuses a connection a dead peer closed): the peers'
-  // messages of that call may be on their way here.
+  // A post the group's backend refused counts (gloo refuses a connection a dead peer closed): the
+  // peers' messages of that call may be on their way here.
   int64_t posted() const { return posted_; }
 
  private:
   void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout);
   void wait_one(size_t handle, std::chrono::milliseconds timeout);
+  template <typename Post>
+  c10::intrusive_ptr<c10d::Work> posting(const Post& post);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_, size_;
