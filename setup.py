@@ -1,12 +1,13 @@
 """Builds gradsync._C against the torch already installed (pip install --no-build-isolation .).
 
-Flavour: CUDA when torch is a CUDA build and a CUDA toolkit is found, CPU otherwise;
+Flavour: CUDA when torch is a CUDA build and a toolkit of its CUDA major version is found, CPU otherwise;
 GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14, except
 in an sdist and what is built from one: the sdist cannot know the flavour its builds will have,
 and pip, installing from an index, requires a build to keep its sdist's version (the flavour is in
 gradsync.report).
 """
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 BASE_VERSION = "0.1.0"
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
+MIN_TORCH = (2, 11)
 
 
 def fail(message):
@@ -46,6 +48,9 @@ if not MAKING_SDIST:
     except ImportError:
         fail("torch must be installed before gradsync, which builds against it: "
              "pip install torch, then pip install --no-build-isolation .")
+    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        fail(f"gradsync needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (the oldest it is checked against), "
+             f"found {torch.__version__}")
 
 
 def read_sources():
@@ -82,6 +87,16 @@ def find_cuda_home():
     return next((str(c) for c in candidates if is_toolkit(c)), None)
 
 
+def toolkit_cuda_major(home):
+    """The CUDA major version of the toolkit at ``home`` (its cuda_runtime_api.h), None if unread."""
+    try:
+        header = (Path(home) / "include" / "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", header)
+    return int(found.group(1)) // 1000 if found else None
+
+
 def want_cuda(cuda_home):
     forced = os.environ.get("GRADSYNC_CUDA", "")
     if forced not in ("", "0", "1"):
@@ -94,8 +109,19 @@ def want_cuda(cuda_home):
         if cuda_home is None:
             fail("GRADSYNC_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME to the folder that holds "
                  "bin/nvcc and include/cuda_runtime.h")
-        return True
-    return torch.version.cuda is not None and cuda_home is not None
+    if torch.version.cuda is None or cuda_home is None:
+        return False
+    # torch builds extensions only with a toolkit of its own CUDA major version
+    major, torch_major = toolkit_cuda_major(cuda_home), int(torch.version.cuda.split(".")[0])
+    if major is not None and major != torch_major:
+        mismatch = (f"the CUDA toolkit at {cuda_home} is CUDA {major}, but torch {torch.__version__} was built with "
+                    f"CUDA {torch.version.cuda}")
+        if forced == "1":
+            fail(f"GRADSYNC_CUDA=1 but {mismatch}: set CUDA_HOME to a CUDA {torch_major} toolkit")
+        print(f"gradsync build: {mismatch}, so gradsync builds its CPU flavour (set CUDA_HOME to a CUDA "
+              f"{torch_major} toolkit for the CUDA one)", file=sys.stderr)
+        return False
+    return True
 
 
 def find_nccl():

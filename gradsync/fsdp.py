@@ -74,7 +74,7 @@ class ReduceScatter(_ReduceScatterComm):
     def __init__(self, codec: str = "bf16", *, error_feedback: bool = False):
         if _ReduceScatterComm is object:
             raise ImportError("gradsync.fsdp needs a torch whose FSDP2 has custom reduce-scatters "
-                              "(FSDPModule.set_custom_reduce_scatter, torch 2.8 and later)")
+                              "(FSDPModule.set_custom_reduce_scatter and its ReduceScatter; torch 2.11 and later)")
         _check_codec(codec)
         self.codec = codec
         self.error_feedback = _check_flag(error_feedback, "error_feedback")

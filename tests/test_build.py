@@ -125,6 +125,39 @@ def test_an_sdist_and_a_build_in_one_setup_call_are_refused(tmp_path):
         assert result.returncode != 0 and "make the sdist and build in two commands" in result.stderr, result.stderr
 
 
+def run_setup_version(cwd, patch, **env):
+    """`setup.py --version` in a process whose torch is patched first (``patch``: Python statements)."""
+    setup_py = Path(__file__).resolve().parents[1] / "setup.py"
+    code = (f"import runpy, sys, torch; {patch}; sys.argv = ['setup.py', '--version']; "
+            f"runpy.run_path({str(setup_py)!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **env))
+
+
+def test_a_torch_older_than_the_oldest_checked_is_refused(tmp_path):
+    result = run_setup_version(tmp_path, "torch.__version__ = '2.10.0+cu128'")
+    assert result.returncode != 0, result
+    assert "gradsync needs torch 2.11 or later (the oldest it is checked against), found 2.10.0+cu128" in result.stderr
+
+
+@pytest.mark.parametrize("forced", ["", "1"])
+def test_a_toolkit_of_another_cuda_major_than_torchs_is_not_used(tmp_path, forced):
+    # torch's own check would stop the build with a tuple for a message
+    toolkit = tmp_path / "cuda-12.8"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "include" / "cuda_runtime_api.h").write_text("#define CUDART_VERSION  12080\n")
+    result = run_setup_version(tmp_path, "torch.version.cuda = '13.0'", CUDA_HOME=str(toolkit), GRADSYNC_CUDA=forced)
+    mismatch = f"the CUDA toolkit at {toolkit} is CUDA 12, but torch {torch.__version__} was built with CUDA 13.0"
+    if forced:
+        assert result.returncode != 0 and f"GRADSYNC_CUDA=1 but {mismatch}: set CUDA_HOME" in result.stderr, result
+    else:
+        assert result.returncode == 0 and "+cputorch" in result.stdout, result
+        assert f"{mismatch}, so gradsync builds its CPU flavour" in result.stderr, result.stderr
+
+
 def test_the_library_carries_no_debug_info():
     # Python's CFLAGS say -g: with it the library was 23 MB, 97 % of it DWARF
     with open(gradsync._C.__file__, "rb") as library:
