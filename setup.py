@@ -1,10 +1,10 @@
 """Builds gradsync._C against the torch already installed (pip install --no-build-isolation .).
 
-Flavour: CUDA when torch is a CUDA build and a toolkit of its CUDA major version is found, CPU otherwise;
-GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g. 0.1.0+cu130torch2.14, except
-in an sdist and what is built from one: the sdist cannot know the flavour its builds will have,
-and pip, installing from an index, requires a build to keep its sdist's version (the flavour is in
-gradsync.report).
+Flavour: CUDA when torch is a CUDA build and a toolkit of its CUDA major version is found, CPU
+otherwise; GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g.
+0.1.0+cu130torch2.14, except in an sdist and what is built from one: the sdist cannot know the
+flavour its builds will have, and pip, installing from an index, requires a build to keep its
+sdist's version (the flavour is in gradsync.report).
 """
 import os
 import re
