@@ -633,7 +633,7 @@ def _refusal_device(backend, nccl_device, tensor_device):
     the group's, ``nccl_device`` the GPU of the group's gradsync NCCL communicator (-1: none yet),
     ``tensor_device`` the refused tensor's device (None: not a tensor)."""
     cuda_tensor = tensor_device is not None and tensor_device.type == "cuda"
-    if backend == "nccl" or (cuda_tensor and _moves_cuda_with_nccl(backend)):  # checked over the NCCL communicator
+    if _moves_cuda_with_nccl(backend) and (cuda_tensor or _without_cpu_backend(backend)):  # checked over NCCL
         if nccl_device >= 0:  # even for a tensor on another GPU: the device check is what refused it
             return torch.device("cuda", nccl_device)
         # joined here: on the refused call's GPU, as its peers join on theirs
@@ -677,9 +677,10 @@ def _check_backend(t, name, group):
     if backend == "nccl":
         raise ValueError(f"{name} is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it "
                          "to this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    to_gpu = "move it to this rank's GPU, or " if _moves_cuda_with_nccl(backend) else ""
     raise ValueError(f"{name} is on {t.device}, but the group's backend is {backend}, which has none for CPU tensors, "
-                     "and gradsync's ring over a process group moves host memory (CUDA tensors are staged there): use a "
-                     "group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+                     "and gradsync's ring over a process group moves host memory (CUDA tensors are staged there): "
+                     f"{to_gpu}use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
 
 
 def _slice_bytes(engine, tensor):

@@ -600,6 +600,8 @@ def test_a_refused_call_takes_its_turn_where_the_peers_check(backend):
     assert _refusal_device("cpu:gloo,cuda:nccl", 0, cpu) == cpu  # the peers' CPU tensors check over gloo
     assert _refusal_device("cpu:gloo,cuda:nccl", 0, None) == cpu
     assert _refusal_device("nccl", 1, cpu) == cuda1  # a CPU tensor refused on an NCCL-only group
+    assert _refusal_device("cuda:nccl", 1, cpu) == cuda1
+    assert _refusal_device("cuda:gloo", -1, cpu) == cpu  # refused at its first post on every rank alike
     assert _refusal_device("gloo", -1, cuda1) == cuda1  # staged through pinned memory, on the tensor's GPU
     assert _refusal_device("gloo", -1, cpu) == cpu
 
@@ -772,9 +774,14 @@ def test_a_dead_peer_makes_the_survivors_raise_within_the_timeout():
         world.close()
 
 
-def all_reduce_ones(rank, size):
+_made_in_python = {}
+
+
+def all_reduce_ones(rank, size, made_in_python):
+    if made_in_python:
+        _made_in_python["group"] = group_made_in_python(rank, size)
     x = torch.ones(97)
-    gradsync.all_reduce(x, op="sum", codec="fp16")
+    gradsync.all_reduce(x, op="sum", codec="fp16", group=_made_in_python.get("group"))
     return x.tolist() == [float(size)] * 97
 
 
@@ -786,20 +793,21 @@ def two_calls_and_their_errors(rank, size):
     errors = []
     for _ in range(2):
         try:
-            gradsync.all_reduce(torch.ones(97), codec="fp16")
+            gradsync.all_reduce(torch.ones(97), codec="fp16", group=_made_in_python.get("group"))
             errors.append("no error")
         except Exception as e:  # noqa: BLE001 - the wording is what is checked
             errors.append(f"{type(e).__name__}: {e}")
     return errors
 
 
-def test_a_peer_dead_between_calls_fails_every_survivors_ring_alike():
+@pytest.mark.parametrize("made_in_python", [False, True], ids=["torch's group", "a group made in python"])
+def test_a_peer_dead_between_calls_fails_every_survivors_ring_alike(made_in_python):
     """Rank 1 exits between calls. Its successor, rank 2, fails as it posts the first receive from
     it (gloo refuses a closed connection at once); that rank too must say which call failed where
     and hold its ring unusable, like rank 0, whose posts went out before the wire failed."""
     world = World(3, group_timeout_s=10)
     try:
-        assert world.run(all_reduce_ones) == [True] * 3
+        assert world.run(all_reduce_ones, made_in_python) == [True] * 3
         world.conns[1].send((exit_now.__module__, exit_now.__name__, ()))
         world.procs[1].join(30)
         assert world.procs[1].exitcode == 0
@@ -815,6 +823,7 @@ def test_a_peer_dead_between_calls_fails_every_survivors_ring_alike():
         for rank, (first, later) in errors.items():
             assert f"failed in the ring (rank {rank} of 3), and the group's ring is unusable" in first, (rank, first)
             assert unusable in later, (rank, later)
+            assert "no backend for CPU tensors" not in first + later, (rank, first, later)
     finally:
         world.close()
 
@@ -1170,9 +1179,9 @@ def test_the_exit_waits_a_bounded_time_for_a_destroyed_groups_teardown(tmp_path)
     assert took < 15, ranks[0]  # rank 1 ends after 20 s
 
 
-def python_made_group(rank, size):
+def group_made_in_python(rank, size):
     """A process group made in Python, as fault-tolerance libraries wrap one: its works' wait()
-    returns None, which is no abort."""
+    returns None, which is no abort. It registers no backend."""
     inner = dist.new_group(list(range(size)))
 
     class Work(dist.Work):
@@ -1196,8 +1205,12 @@ def python_made_group(rank, size):
         def getBackendName(self):
             return "wrapped-gloo"
 
+    return Wrapped()
+
+
+def python_made_group(rank, size):
     x = torch.full((1000,), rank + 1.0)
-    gradsync.all_reduce(x, op="sum", group=Wrapped())
+    gradsync.all_reduce(x, op="sum", group=group_made_in_python(rank, size))
     return x.unique().tolist()
 
 
