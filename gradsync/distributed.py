@@ -427,9 +427,12 @@ def _check_nccl_device(tensor, group):
 
 def _backend_name(group):
     """The group's backend as torch.distributed names it ("gloo", "nccl", "cpu:gloo,cuda:nccl"). A
-    group made outside its registry (as fault-tolerance libraries make them) names its own."""
+    group made outside its registry (as fault-tolerance libraries make them) names its own, and one
+    made without a backend (torch's "undefined": the accelerator's alone) is named by what it has."""
     try:
-        return str(dist.get_backend(group)).lower()
+        name = str(dist.get_backend(group)).lower()
+        if name != "undefined":
+            return name
     except ValueError:  # not in torch.distributed's registry
         pass
     names = {}

@@ -855,6 +855,26 @@ def test_cpu_tensors_on_a_group_without_a_cpu_backend_are_refused_at_once():
         world.close()
 
 
+def names_of_the_default_group(rank, size):
+    from gradsync.distributed import _backend_name
+    x = torch.ones(8)
+    gradsync.all_reduce(x, op="sum")
+    return str(dist.get_backend()), _backend_name(dist.group.WORLD), x.tolist() == [float(size)] * 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the group would be NCCL's alone")
+def test_a_group_made_without_a_backend_is_named_by_the_one_it_has():
+    """init_process_group() without a backend: torch names it "undefined" and gives it the
+    accelerator's backend alone (NCCL on a GPU machine, gloo without one); gradsync moves tensors
+    by that backend."""
+    world = World(2, backend=None)
+    try:
+        for torch_name, name, summed in world.run(names_of_the_default_group, timeout=60):
+            assert name == "gloo" and summed, (torch_name, name, summed)
+    finally:
+        world.close()
+
+
 def calls_on_a_group_that_gains_its_cpu_backend_late(rank, size, folder):
     store = dist.FileStore(os.path.join(folder, "late-backend"), size)
     group = dist.ProcessGroup(dist.PrefixStore("group", store), rank, size)  # made outside the registry
