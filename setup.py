@@ -1,10 +1,10 @@
 """Builds gradsync._C against the torch already installed (pip install --no-build-isolation .).
 
-Flavour: CUDA when torch is a CUDA build and a toolkit of its CUDA major version is found, CPU
-otherwise; GRADSYNC_CUDA=1/0 forces it. The version carries the flavour, e.g.
-0.1.0+cu130torch2.14, except in an sdist and what is built from one: the sdist cannot know the
-flavour its builds will have, and pip, installing from an index, requires a build to keep its
-sdist's version (the flavour is in gradsync.report).
+Flavour: CUDA when torch is a CUDA build and a CUDA toolkit is found (one of another major version
+than torch's is an error), CPU otherwise; GRADSYNC_CUDA=1/0 forces it. The version carries the
+flavour, e.g. 0.1.0+cu130torch2.14, except in an sdist and what is built from one: the sdist cannot
+know the flavour its builds will have, and pip, installing from an index, requires a build to keep
+its sdist's version (the flavour is in gradsync.report).
 """
 import os
 import re
@@ -111,16 +111,13 @@ def want_cuda(cuda_home):
                  "bin/nvcc and include/cuda_runtime.h")
     if torch.version.cuda is None or cuda_home is None:
         return False
-    # torch builds extensions only with a toolkit of its own CUDA major version
+    # torch builds extensions only with a toolkit of its own CUDA major version. An error, not a
+    # quiet CPU build: pip shows a build's output only when it fails.
     major, torch_major = toolkit_cuda_major(cuda_home), int(torch.version.cuda.split(".")[0])
     if major is not None and major != torch_major:
-        mismatch = (f"the CUDA toolkit at {cuda_home} is CUDA {major}, but torch {torch.__version__} was built with "
-                    f"CUDA {torch.version.cuda}")
-        if forced == "1":
-            fail(f"GRADSYNC_CUDA=1 but {mismatch}: set CUDA_HOME to a CUDA {torch_major} toolkit")
-        print(f"gradsync build: {mismatch}, so gradsync builds its CPU flavour (set CUDA_HOME to a CUDA "
-              f"{torch_major} toolkit for the CUDA one)", file=sys.stderr)
-        return False
+        fail(f"the CUDA toolkit at {cuda_home} is CUDA {major}, and torch {torch.__version__} was built with CUDA "
+             f"{torch.version.cuda}, which torch builds extensions with only: set CUDA_HOME to a CUDA {torch_major} "
+             "toolkit, or GRADSYNC_CUDA=0 for a CPU build")
     return True
 
 
