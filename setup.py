@@ -115,9 +115,9 @@ def want_cuda(cuda_home):
     # quiet CPU build: pip shows a build's output only when it fails.
     major, torch_major = toolkit_cuda_major(cuda_home), int(torch.version.cuda.split(".")[0])
     if major is not None and major != torch_major:
-        fail(f"the CUDA toolkit at {cuda_home} is CUDA {major}, and torch {torch.__version__} was built with CUDA "
-             f"{torch.version.cuda}, which torch builds extensions with only: set CUDA_HOME to a CUDA {torch_major} "
-             "toolkit, or GRADSYNC_CUDA=0 for a CPU build")
+        fail(f"the CUDA toolkit at {cuda_home} is CUDA {major}, but torch {torch.__version__} was built with CUDA "
+             f"{torch.version.cuda} and builds extensions only with a toolkit of that major version: set CUDA_HOME to "
+             f"a CUDA {torch_major} toolkit, or GRADSYNC_CUDA=0 for a CPU build")
     return True
 
 

@@ -376,10 +376,10 @@ std::runtime_error RingEngine::mid_ring_failure(const char* what) const {
 }
 
 bool RingEngine::after_failure(const Job& job, const char* what, bool nccl_aborted_before) {
-  // A call that failed before posting anything (an allocation) leaves the ring as it was; one whose
-  // post the group refused does not (see ProcessGroupTransport::posted). Messages of the process
-  // group that may still be in flight would be received by a later call: that fails every later
-  // call on the group. An aborted NCCL communicator fails its own later calls.
+  // A call that failed before posting anything (an allocation, a group without a CPU backend) leaves
+  // the ring as it was; one whose post the group refused does not (see ProcessGroupTransport::posted).
+  // Messages of the process group that may still be in flight would be received by a later call:
+  // that fails every later call on the group. An aborted NCCL communicator fails its own later calls.
   const bool in_flight = transport_.posted() != settled_posted_;
   bool device_in_flight = false;
 #ifdef GRADSYNC_WITH_CUDA

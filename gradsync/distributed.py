@@ -681,9 +681,9 @@ def _check_backend(t, name, group):
         raise ValueError(f"{name} is on cpu, but the group's backend is nccl, which moves CUDA tensors only: move it "
                          "to this rank's GPU, or use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
     to_gpu = "move it to this rank's GPU, or " if _moves_cuda_with_nccl(backend) else ""
-    raise ValueError(f"{name} is on {t.device}, but the group's backend is {backend}, which has none for CPU tensors, "
-                     "and gradsync's ring over a process group moves host memory (CUDA tensors are staged there): "
-                     f"{to_gpu}use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
+    raise ValueError(f"{name} is on {t.device}, but the group's backend is {backend}, without one for CPU tensors, "
+                     "which gradsync's ring over a process group needs (it moves host memory; CUDA tensors are staged "
+                     f"there): {to_gpu}use a group with a CPU backend (e.g. backend=\"cpu:gloo,cuda:nccl\")")
 
 
 def _slice_bytes(engine, tensor):

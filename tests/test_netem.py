@@ -299,7 +299,7 @@ dist.barrier()
 loops = [int(t) for t in os.listdir("/proc/self/task")
          if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"]
 if not loops:
-    sys.exit("SKIP: this torch's gloo leaves its loop thread unnamed")  # as torch 2.12's and earlier do
+    sys.exit("SKIP: this torch's gloo leaves its loop thread unnamed")  # as those of torch 2.12 and earlier do
 own = os.getpriority(os.PRIO_PROCESS, 0)
 lower = min(own + 7, 19)  # a thread's niceness stops at 19
 assert lower > own, "this test needs to run below nice 19"

@@ -58,8 +58,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::posting(const Post& post) 
       ++posted_;
       throw;
     }
+    const auto* error = dynamic_cast<const c10::Error*>(&e);  // torch's: without its C++ backtrace
     throw std::runtime_error(std::string("gradsync: the process group has no backend for CPU tensors, and the ring "
-                                         "over it moves host memory (CUDA tensors are staged there): ") + e.what());
+                                         "over it moves host memory (CUDA tensors are staged there): ") +
+                             (error ? error->what_without_backtrace() : e.what()));
   }
 }
 

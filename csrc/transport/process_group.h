@@ -37,8 +37,9 @@ class ProcessGroupTransport : public Transport {
   // For calls whose peers will never answer, which the process ends without.
   void abort();
   // How many messages were ever posted: unchanged across a failed call means none is in flight.
-  // A post the group's backend refused counts (gloo refuses a connection a dead peer closed): the
-  // peers' messages of that call may be on their way here.
+  // A post the group refused counts (gloo refuses a connection a dead peer closed): the peers'
+  // messages of that call may be on their way here. Not where the group has no CPU backend: there
+  // every rank's post is refused alike (see posting()).
   int64_t posted() const { return posted_; }
 
  private:
