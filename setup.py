@@ -48,9 +48,6 @@ if not MAKING_SDIST:
     except ImportError:
         fail("torch must be installed before gradsync, which builds against it: "
              "pip install torch, then pip install --no-build-isolation .")
-    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
-        fail(f"gradsync needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (the oldest it is checked against), "
-             f"found {torch.__version__}")
 
 
 def read_sources():
@@ -140,8 +137,13 @@ def find_nccl():
          "or set NCCL_HOME to a folder with include/nccl.h and lib/libnccl.so.2")
 
 
-def torch_tag():
+def torch_release():
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_tag():
+    major, minor = torch_release()
     return f"torch{major}.{minor}", f"{major}.{minor}"
 
 
@@ -171,6 +173,9 @@ def main():
     if MAKING_SDIST:
         setup(name="gradsync", version=BASE_VERSION, packages=packages, install_requires=["torch"])
         return
+    if torch_release() < MIN_TORCH:
+        fail(f"gradsync needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (the oldest it is checked against), "
+             f"found {torch.__version__}")
     cuda_home = find_cuda_home()
     with_cuda = want_cuda(cuda_home)
     if with_cuda:

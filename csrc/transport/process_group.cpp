@@ -8,13 +8,22 @@ at::Tensor host_bytes(const void* data, int64_t bytes) {
   return at::from_blob(const_cast<void*>(data), {bytes}, at::TensorOptions().dtype(at::kByte));
 }
 
+// The group's backend for host memory; null where it has none (torch's getBackend throws).
+c10::intrusive_ptr<c10d::Backend> cpu_backend(c10d::ProcessGroup& group) {
+  try {
+    return group.getBackend(c10::DeviceType::CPU);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
 // The group's timeout as it is now: torch.distributed's _set_pg_timeout changes it after the group
 // was made (torch's collectives follow), while gloo's point-to-point waits keep the one the group's
 // connections were made with unless told.
 std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
   constexpr std::chrono::milliseconds its_own(0);  // torch's kNoTimeout: a backend that does not say keeps its own
-  try {
-    const auto backend = group.getBackend(c10::DeviceType::CPU);
+  const auto backend = cpu_backend(group);
+  try {  // a backend may not implement getBackendOptions
     const auto options = backend ? backend->getBackendOptions() : nullptr;
     return options ? options->timeout : its_own;
   } catch (const std::exception&) {
@@ -25,13 +34,7 @@ std::chrono::milliseconds current_timeout(c10d::ProcessGroup& group) {
 // A group of torch's own class without a CPU backend refuses every rank's post alike. (A group
 // subclassed in Python posts by its own methods, whatever backends it registered.)
 bool without_cpu_backend(c10d::ProcessGroup& group) {
-  if (typeid(group) != typeid(c10d::ProcessGroup)) return false;
-  try {
-    group.getBackend(c10::DeviceType::CPU);
-    return false;
-  } catch (const std::exception&) {
-    return true;
-  }
+  return typeid(group) == typeid(c10d::ProcessGroup) && !cpu_backend(group);
 }
 
 constexpr const char* kAborted = "gradsync: the group's calls were abandoned as the process exits";
