@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gradsync
+from cli_harness import run_each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -180,7 +181,7 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     assert {r["impl"] for r in rows if r["bytes"] == 4096} >= {"torch fp32", "gradsync fp16"}
 
 
-@pytest.mark.parametrize("script, args, message", [
+BAD_ARGUMENTS = [
     ("bench_kernels.py", ["--device", "foo"], "--device"),
     ("bench_kernels.py", ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--max-mb", "2"],
      "--device cuda: torch sees no GPU" if not torch.cuda.is_available() else "--max-mb"),
@@ -221,11 +222,22 @@ def test_a_cut_short_all_reduce_benchmark_keeps_the_sizes_it_measured(tmp_path):
     ("bench_allreduce.py", ["--gloo-loop-nice", "100"], "a niceness is -20 to 19, got 100"),
     ("bench_allreduce.py", ["--accuracy", "--feedback", "--max-bytes", "4K"],
      "--max-bytes, --feedback shape the timed table only"),
-])
-def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message, tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Each case of BAD_ARGUMENTS run, all in one process: {(script, args): Done}."""
+    cases = [case.values if hasattr(case, "values") else case for case in BAD_ARGUMENTS]
+    done = run_each([[os.path.join(BENCH, script), *args] for script, args, _ in cases],
+                    cwd=tmp_path_factory.mktemp("refusals"))
+    return {(script, tuple(args)): d for (script, args, _), d in zip(cases, done)}
+
+
+@pytest.mark.parametrize("script, args, message", BAD_ARGUMENTS)
+def test_the_benchmarks_refuse_bad_arguments_before_they_start(script, args, message, refusals):
+    done = refusals[(script, tuple(args))]
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
 def test_the_kernel_benchmark_gives_set_device_an_index(monkeypatch):

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from cli_harness import run_each
+
 
 def test_demo_runs_every_mode_and_saves_the_plot(tmp_path):
     plot = tmp_path / "demo.png"
@@ -43,10 +45,9 @@ def test_demo_refuses_bad_arguments_before_it_trains(tmp_path):
                   (["--plot", "losses"], "--plot losses: give an image file name"),
                   (["--plot", "sub/"], "--plot sub/: give an image file name"),
                   (["--plot", "."], "--plot .: give an image file name")]
-    for args, says in cases:
-        done = subprocess.run([sys.executable, "-m", "gradsync.demo", *args], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
-        assert done.returncode == 2 and says in done.stderr, done.stderr
+    runs = run_each([["-m", "gradsync.demo", *args] for args, _ in cases], cwd=tmp_path)
+    for (args, says), done in zip(cases, runs):
+        assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
 
 
 def test_demo_help_says_what_it_compares(tmp_path):

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from cli_harness import run_each
 from gradsync import model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -464,11 +465,12 @@ def test_measurements_of_zero_or_less_are_refused_by_name(tmp_path):
               "rate_gbit must be a positive number, got -1"),
              ("netem.json", dict(netem, rows=[dict(r, time_ms=0) for r in netem["rows"]]), "--validate",
               "a file holds 0 where a measurement the model divides by belongs")]
-    for name, content, option, says in cases:
-        (tmp_path / name).write_text(json.dumps(content))
+    commands = []
+    for i, (name, content, option, _) in enumerate(cases):
+        (tmp_path / f"{i}-{name}").write_text(json.dumps(content))
         extra = ["--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON] if option == "--validate" else []
-        out = subprocess.run([sys.executable, "-m", "gradsync.model", option, name, *extra],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        commands.append(["-m", "gradsync.model", option, f"{i}-{name}", *extra])
+    for (_, _, option, says), out in zip(cases, run_each(commands, cwd=tmp_path)):
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (option, out.stderr)
 
 
@@ -510,7 +512,7 @@ def test_a_loopback_run_too_small_or_faster_than_its_kernels_is_refused(tmp_path
     assert out.returncode == 2 and "no more than its kernels alone" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("argv, says", [
+BAD_ARGUMENTS = [
     (["--bucket-mb", "0"], "--bucket-mb: must be a positive number of MB, got 0"),
     (["--bucket-mb", "25", "-1"], "--bucket-mb: must be a positive number of MB, got -1"),
     (["--bucket-mb", "nan"], "--bucket-mb: must be a positive number of MB, got nan"),
@@ -533,12 +535,22 @@ def test_a_loopback_run_too_small_or_faster_than_its_kernels_is_refused(tmp_path
     (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON, "--min-bytes", str(2**40)],
      "leaves no row of"),
     (["--gpu-kernels", "list.json"], "--kernels and --gpu-kernels: bench_kernels.py JSON"),
-])
-def test_the_command_line_refuses_bad_arguments_as_usage_errors(tmp_path, argv, says):
-    (tmp_path / "not_json.json").write_text("size time\n")
-    (tmp_path / "list.json").write_text("[]\n")
-    out = subprocess.run([sys.executable, "-m", "gradsync.model", *argv],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Each command line of BAD_ARGUMENTS run, all in one process: {argv: Done}."""
+    folder = tmp_path_factory.mktemp("refusals")
+    (folder / "not_json.json").write_text("size time\n")
+    (folder / "list.json").write_text("[]\n")
+    done = run_each([["-m", "gradsync.model", *argv] for argv, _ in BAD_ARGUMENTS], cwd=folder)
+    return {tuple(argv): d for (argv, _), d in zip(BAD_ARGUMENTS, done)}
+
+
+@pytest.mark.parametrize("argv, says", BAD_ARGUMENTS)
+def test_the_command_line_refuses_bad_arguments_as_usage_errors(argv, says, refusals):
+    out = refusals[tuple(argv)]
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 # Two and three hosts (2026-12-01, 1 Gbit/s, 62 configurations each): the ring's size in the model
