@@ -701,6 +701,7 @@ void bind_ring(pybind11::module& m) {
       // forever. It is kept, untouched, for the rest of the process.
       .def("abandon_after_fork", [](std::shared_ptr<RingEngine> e) { new std::shared_ptr<RingEngine>(std::move(e)); })
       .def_property_readonly("broken", &RingEngine::broken)
+      .def_property_readonly("group_references", &RingEngine::group_references)
       .def_property_readonly("rank", &RingEngine::rank)
       .def_property_readonly("size", &RingEngine::size)
       .def_property_readonly("nccl_device", &RingEngine::nccl_device)

@@ -110,6 +110,8 @@ class RingEngine {
   // so that the backend's threads and sockets go with it. Once stopped; no call may follow
   // (_release_engines in the bindings).
   void release_group() { transport_.release_group(); }
+  // How many references to the group there are, this engine's included; 0 once released.
+  size_t group_references() const { return transport_.group().use_count(); }
   // Why the group's ring (or its NCCL communicator) is unusable, "" if it is not; read it once the
   // engine has stopped.
   std::string broken() const;

@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import struct
+import sys
 import threading
 import warnings
 import weakref
@@ -374,7 +375,9 @@ def _engine(group, tensor):
 def _engine_of(group, stale):
     """The group's engine, made where it has none. The engines of groups torch.distributed destroyed
     go into ``stale``, to be released, when an engine is made or a call comes on such a group (the
-    calls of gradsync.DataParallel and of the hooks reach no other check of the group)."""
+    calls of gradsync.DataParallel and of the hooks reach no other check of the group), and so do
+    those of groups that no one but gradsync holds any more (made by hand and dropped, as
+    fault-tolerance libraries drop a group for the next), which no call can reach again."""
     engine = _engines.get(group)
     if engine is not None and not _destroyed(group):  # without the lock, which a signal handler's call may need
         return engine  # (shutdown() may stop it meanwhile: _submit then takes the group's next engine)
@@ -386,6 +389,7 @@ def _engine_of(group, stale):
             for g, _ in stale:
                 _broken[g] = _DESTROYED
                 _sequences.pop(g, None)
+            stale += [(g, _engines.pop(g)) for g in _held_by_gradsync_alone()]
             if destroyed:  # its engine is in stale, or shutdown() released it
                 engine, _broken[group] = None, _DESTROYED
         on_engine_thread = _C._on_engine_thread()
@@ -415,6 +419,23 @@ def _engine_of(group, stale):
             if _shutdowns and on_engine_thread:  # a running shutdown() stops what its calls' callbacks start
                 _to_stop[group] = None
     return engine
+
+
+def _reference_counts(table):
+    """{key: its reference count} as this function sees it: the same for every key that only the
+    table holds, whatever the interpreter's own references (see _HELD_BY_A_TABLE_ALONE)."""
+    return {key: sys.getrefcount(key) for key in table}
+
+
+# what _reference_counts sees of a key that nothing else holds (measured: interpreters differ)
+_HELD_BY_A_TABLE_ALONE = next(iter(_reference_counts({object(): None}).values()))
+
+
+def _held_by_gradsync_alone():
+    """The groups of ``_engines`` held by nothing but the table (in Python) and their engine (in C++,
+    besides their Python object): no one can call on them again."""
+    return [group for group, count in _reference_counts(_engines).items()
+            if count <= _HELD_BY_A_TABLE_ALONE and _engines[group].group_references <= 2]
 
 
 def _check_nccl_device(tensor, group):

@@ -977,13 +977,19 @@ def test_the_timeout_is_the_call_s_own_group_s():
 _BY_HAND = itertools.count()  # every rank makes such groups in the same order
 
 
-def a_group_made_by_hand(rank, size):
-    """A ProcessGroup made outside torch.distributed's registry, as fault-tolerance libraries make
-    them: gradsync's collectives take it, as torch's do."""
+def made_by_hand(rank, size, timeout_s=30):
+    """A gloo ProcessGroup made outside torch.distributed's registry, as fault-tolerance libraries make them."""
     store = dist.PrefixStore(f"by-hand-{next(_BY_HAND)}", dist.distributed_c10d._get_default_store())
     group = dist.ProcessGroup(store, rank, size)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                            dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=30)))
+                            dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s)))
+    return group
+
+
+def a_group_made_by_hand(rank, size):
+    """A ProcessGroup made outside torch.distributed's registry, as fault-tolerance libraries make
+    them: gradsync's collectives take it, as torch's do."""
+    group = made_by_hand(rank, size)
     x = torch.arange(6.0) * (rank + 1)
     expected = x.clone()
     dist.all_reduce(expected, group=group)
@@ -997,13 +1003,42 @@ def test_a_group_made_outside_torchs_registry(worlds):
     assert all(worlds(2).run(a_group_made_by_hand))
 
 
+def threads_now():
+    return len(os.listdir("/proc/self/task"))
+
+
+def groups_made_by_hand_and_dropped(rank, size):
+    """Per group: the sum on it, and on the groups still held; then the engines and threads left."""
+    held = [made_by_hand(rank, size), group_made_in_python(rank, size)]
+    engines_before, threads_before, sums = len(gradsync.distributed._engines), threads_now(), []
+    for i in range(12):
+        dropped = made_by_hand(rank, size)
+        for group in (dropped, *held):
+            x = torch.full((1000,), rank + i + 1.0)
+            work = gradsync.all_reduce(x, op="sum", codec="fp16", group=group, async_op=True)
+            sums.append(work.wait() is not None and x.unique().tolist())
+        if i == 1:
+            engines_before, threads_before = len(gradsync.distributed._engines), threads_now()
+        del dropped, group
+    deadline = time.monotonic() + 20  # the released groups end on a thread of their own
+    while threads_now() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sums, len(gradsync.distributed._engines) - engines_before, threads_now() - threads_before
+
+
+def test_a_group_made_by_hand_and_dropped_is_let_go_of(worlds):
+    """Fault-tolerance libraries make a group by hand for each configuration and drop the last one:
+    gradsync held each one's engine, gloo's threads and sockets until shutdown() (four threads and
+    five descriptors a group). Those held elsewhere keep their engines and their calls' order."""
+    for sums, engines, threads in worlds(2).run(groups_made_by_hand_and_dropped):
+        assert sums == [[2.0 * i + 3] for i in range(12) for _ in range(3)], sums
+        assert engines <= 0 and threads <= 0, (engines, threads)
+
+
 def a_child_calls_on_a_group_made_by_hand_before_the_fork(rank, size):
     """Where gradsync never used it before the fork, it did not know of the group, and the child drove
     the parent's connections: it hung, and the parent aborted in gloo (epoll_ctl)."""
-    store = dist.PrefixStore(f"by-hand-{next(_BY_HAND)}", dist.distributed_c10d._get_default_store())
-    group = dist.ProcessGroup(store, rank, size)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                            dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=10)))
+    group = made_by_hand(rank, size, timeout_s=10)
     gradsync.all_reduce(torch.ones(10))  # gradsync runs, on the default group
     out = {}
     if rank == 0:
