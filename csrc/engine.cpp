@@ -289,6 +289,16 @@ std::shared_ptr<RingWork> RingEngine::refuse(at::Tensor placeholder, RingOp op, 
 bool RingEngine::on_worker_thread() { return t_worker_of != nullptr; }
 bool RingEngine::on_own_worker_thread() const { return t_worker_of == this; }
 
+bool RingEngine::stop_if_idle() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ || running_ || !queue_.empty()) return false;
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  return true;
+}
+
 bool RingEngine::accepts_calls() {
   std::lock_guard<std::mutex> lock(mutex_);
   return !stopping_ || (on_worker_thread() && !ended_);
@@ -332,6 +342,7 @@ void RingEngine::run() {
       }
       job = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
     }
     std::exception_ptr error;
     settled_posted_ = transport_.posted();
@@ -364,6 +375,8 @@ void RingEngine::run() {
     job.gather_input = at::Tensor();
     job.options.residual = at::Tensor();
     job.options.after = nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
   }
 }
 
@@ -691,6 +704,7 @@ void bind_ring(pybind11::module& m) {
   py::class_<RingEngine, std::shared_ptr<RingEngine>>(m, "RingEngine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, uint32_t>(), py::arg("group"), py::arg("first_sequence") = 0)
       .def("stop", &RingEngine::stop, py::call_guard<py::gil_scoped_release>())
+      .def("stop_if_idle", &RingEngine::stop_if_idle)
       .def("abandon_group", &RingEngine::abandon_group)
       .def("abort_calls", &RingEngine::abort_calls, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("sequence", &RingEngine::sequence)

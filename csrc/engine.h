@@ -95,6 +95,9 @@ class RingEngine {
   uint32_t sequence() const { return sequence_; }
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
   void stop();
+  // Stops the engine where it has no call, issued or running: later calls raise, and sequence() and
+  // broken() are final. Whether it did; stop() still ends the worker.
+  bool stop_if_idle();
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
   void abandon_group() { new c10::intrusive_ptr<c10d::ProcessGroup>(transport_.group()); }
@@ -166,6 +169,7 @@ class RingEngine {
   std::deque<Job> queue_;
   bool stopping_ = false;
   bool ended_ = false;  // the worker ran every call and ended (stopping)
+  bool running_ = false;  // the worker is running a call (its future's callbacks included)
   std::string broken_;  // set once a transport failure left messages in flight
   int64_t settled_posted_ = 0;  // the transport's count of posted messages when none was last in flight
   uint32_t sequence_ = 0;

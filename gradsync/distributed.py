@@ -389,7 +389,11 @@ def _engine_of(group, stale):
             for g, _ in stale:
                 _broken[g] = _DESTROYED
                 _sequences.pop(g, None)
-            stale += [(g, _engines.pop(g)) for g in _held_by_gradsync_alone()]
+            for g in _idle_and_held_by_gradsync_alone():  # stopped: their calls' order and state are final
+                stale.append((g, _engines.pop(g)))
+                _sequences[g] = stale[-1][1].sequence  # for a call still made on it (through a weak reference)
+                if stale[-1][1].broken:
+                    _broken[g] = stale[-1][1].broken
             if destroyed:  # its engine is in stale, or shutdown() released it
                 engine, _broken[group] = None, _DESTROYED
         on_engine_thread = _C._on_engine_thread()
@@ -431,11 +435,18 @@ def _reference_counts(table):
 _HELD_BY_A_TABLE_ALONE = next(iter(_reference_counts({object(): None}).values()))
 
 
-def _held_by_gradsync_alone():
+def _idle_and_held_by_gradsync_alone():
     """The groups of ``_engines`` held by nothing but the table (in Python) and their engine (in C++,
-    besides their Python object): no one can call on them again."""
-    return [group for group, count in _reference_counts(_engines).items()
-            if count <= _HELD_BY_A_TABLE_ALONE and _engines[group].group_references <= 2]
+    besides their Python object), whose engines had no call (a group subclassed in Python needs its
+    Python object for its calls): their engines are stopped. Not those of an NCCL communicator,
+    which every rank would have to join anew, should a weak reference still reach the group."""
+    idle = []
+    for group, count in _reference_counts(_engines).items():
+        engine = _engines[group]
+        if count <= _HELD_BY_A_TABLE_ALONE and engine.group_references <= 2 and engine.nccl_device < 0 and \
+                engine.stop_if_idle():
+            idle.append(group)
+    return idle
 
 
 def _check_nccl_device(tensor, group):
