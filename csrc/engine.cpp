@@ -363,6 +363,10 @@ void RingEngine::run() {
       after_failure(job, "an unknown exception", nccl_aborted_before);
     }
     {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;  // before the future completes: a caller who waited for it finds the engine idle
+    }
+    {
       std::optional<c10::StreamGuard> guard;
       try {
         if (job.stream) guard.emplace(*job.stream);
@@ -375,8 +379,6 @@ void RingEngine::run() {
     job.gather_input = at::Tensor();
     job.options.residual = at::Tensor();
     job.options.after = nullptr;
-    std::lock_guard<std::mutex> lock(mutex_);
-    running_ = false;
   }
 }
 

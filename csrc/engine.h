@@ -169,7 +169,7 @@ class RingEngine {
   std::deque<Job> queue_;
   bool stopping_ = false;
   bool ended_ = false;  // the worker ran every call and ended (stopping)
-  bool running_ = false;  // the worker is running a call (its future's callbacks included)
+  bool running_ = false;  // the worker is running a call, until its future completes
   std::string broken_;  // set once a transport failure left messages in flight
   int64_t settled_posted_ = 0;  // the transport's count of posted messages when none was last in flight
   uint32_t sequence_ = 0;

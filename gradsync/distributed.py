@@ -376,8 +376,8 @@ def _engine_of(group, stale):
     """The group's engine, made where it has none. The engines of groups torch.distributed destroyed
     go into ``stale``, to be released, when an engine is made or a call comes on such a group (the
     calls of gradsync.DataParallel and of the hooks reach no other check of the group), and so do
-    those of groups that no one but gradsync holds any more (made by hand and dropped, as
-    fault-tolerance libraries drop a group for the next), which no call can reach again."""
+    the idle engines of groups that no one but gradsync holds any more (made by hand and dropped,
+    as fault-tolerance libraries drop a group for the next)."""
     engine = _engines.get(group)
     if engine is not None and not _destroyed(group):  # without the lock, which a signal handler's call may need
         return engine  # (shutdown() may stop it meanwhile: _submit then takes the group's next engine)
@@ -390,10 +390,11 @@ def _engine_of(group, stale):
                 _broken[g] = _DESTROYED
                 _sequences.pop(g, None)
             for g in _idle_and_held_by_gradsync_alone():  # stopped: their calls' order and state are final
-                stale.append((g, _engines.pop(g)))
-                _sequences[g] = stale[-1][1].sequence  # for a call still made on it (through a weak reference)
-                if stale[-1][1].broken:
-                    _broken[g] = stale[-1][1].broken
+                idle = _engines.pop(g)
+                stale.append((g, idle))
+                _sequences[g] = idle.sequence  # for a call still made on it (through a weak reference)
+                if idle.broken:
+                    _broken[g] = idle.broken
             if destroyed:  # its engine is in stale, or shutdown() released it
                 engine, _broken[group] = None, _DESTROYED
         on_engine_thread = _C._on_engine_thread()
@@ -437,16 +438,26 @@ _HELD_BY_A_TABLE_ALONE = next(iter(_reference_counts({object(): None}).values())
 
 def _idle_and_held_by_gradsync_alone():
     """The groups of ``_engines`` held by nothing but the table (in Python) and their engine (in C++,
-    besides their Python object), whose engines had no call (a group subclassed in Python needs its
+    besides their Python object), and not named in torch's registry, whose engines had no call (a group subclassed in Python needs its
     Python object for its calls): their engines are stopped. Not those of an NCCL communicator,
     which every rank would have to join anew, should a weak reference still reach the group."""
     idle = []
     for group, count in _reference_counts(_engines).items():
         engine = _engines[group]
         if count <= _HELD_BY_A_TABLE_ALONE and engine.group_references <= 2 and engine.nccl_device < 0 and \
-                engine.stop_if_idle():
+                not _named_in_torchs_registry(group) and engine.stop_if_idle():
             idle.append(group)
     return idle
+
+
+def _named_in_torchs_registry(group):
+    """Whether torch's registry of group names (which holds its groups weakly) gives the group back:
+    it would give a new Python object for it once gradsync let go of this one, which no engine's
+    calls would know of."""
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(group.group_name) is group
+    except Exception:  # noqa: BLE001 (a group without a name, or none registered under it)
+        return False
 
 
 def _check_nccl_device(tensor, group):

@@ -1014,6 +1014,12 @@ def groups_made_by_hand_and_dropped(rank, size):
     pending, big = group_made_in_python(rank, size), torch.full((1 << 22,), rank + 1.0)
     work = gradsync.all_reduce(big, op="sum", group=pending, async_op=True)
     del pending
+    # named in torch's registry, which holds it weakly and gives it back by name (as torchft does)
+    named = made_by_hand(rank, size)
+    named._set_group_name("gradsync-test-named")
+    torch._C._distributed_c10d._register_process_group("gradsync-test-named", named)
+    gradsync.all_reduce(torch.ones(10), group=named)
+    del named
     engines_before, threads_before, sums = len(gradsync.distributed._engines), threads_now(), []
     for i in range(12):
         dropped = made_by_hand(rank, size)
@@ -1025,6 +1031,11 @@ def groups_made_by_hand_and_dropped(rank, size):
             engines_before, threads_before = len(gradsync.distributed._engines), threads_now()
         del dropped, group
     sums.append(work.wait() is not None and big.unique().tolist())
+    named = torch._C._distributed_c10d._resolve_process_group("gradsync-test-named")
+    x = torch.full((1000,), rank + 1.0)
+    gradsync.all_reduce(x, op="sum", group=named)
+    sums.append(named in gradsync.distributed._engines and x.unique().tolist())
+    torch._C._distributed_c10d._unregister_process_group("gradsync-test-named")
     deadline = time.monotonic() + 20  # the released groups end on a thread of their own
     while threads_now() > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -1034,10 +1045,11 @@ def groups_made_by_hand_and_dropped(rank, size):
 def test_a_group_made_by_hand_and_dropped_is_let_go_of(worlds):
     """Fault-tolerance libraries make a group by hand for each configuration and drop the last one:
     gradsync held each one's engine, gloo's threads and sockets until shutdown() (four threads and
-    five descriptors a group). Those held elsewhere keep their engines and their calls' order; one
-    dropped with a call running is let go of once the call is done."""
+    five descriptors a group). Those held elsewhere keep their engines and their calls' order (one
+    named in torch's registry included); one dropped with a call running is let go of once the call
+    is done."""
     for sums, engines, threads in worlds(2).run(groups_made_by_hand_and_dropped):
-        assert sums == [[2.0 * i + 3] for i in range(12) for _ in range(3)] + [[3.0]], sums
+        assert sums == [[2.0 * i + 3] for i in range(12) for _ in range(3)] + [[3.0], [3.0]], sums
         assert engines <= 0 and threads <= 0, (engines, threads)
 
 
