@@ -1012,7 +1012,7 @@ def groups_made_by_hand_and_dropped(rank, size):
     held = [made_by_hand(rank, size), group_made_in_python(rank, size)]
     # dropped with its call still running: a group subclassed in Python needs its Python object for it
     pending, big = group_made_in_python(rank, size), torch.full((1 << 22,), rank + 1.0)
-    work = gradsync.all_reduce(big, op="sum", group=pending, async_op=True)
+    pending_work = gradsync.all_reduce(big, op="sum", group=pending, async_op=True)
     del pending
     # named in torch's registry, which holds it weakly and gives it back by name (as torchft does)
     named = made_by_hand(rank, size)
@@ -1030,7 +1030,7 @@ def groups_made_by_hand_and_dropped(rank, size):
         if i == 1:
             engines_before, threads_before = len(gradsync.distributed._engines), threads_now()
         del dropped, group
-    sums.append(work.wait() is not None and big.unique().tolist())
+    sums.append(pending_work.wait() is not None and big.unique().tolist())
     named = torch._C._distributed_c10d._resolve_process_group("gradsync-test-named")
     x = torch.full((1000,), rank + 1.0)
     gradsync.all_reduce(x, op="sum", group=named)
