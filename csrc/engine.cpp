@@ -293,7 +293,7 @@ bool RingEngine::stop_if_idle() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_ || running_ || !queue_.empty()) return false;
-    stopping_ = true;
+    stopping_ = let_go_ = true;
   }
   queue_cv_.notify_all();
   return true;
@@ -301,7 +301,7 @@ bool RingEngine::stop_if_idle() {
 
 bool RingEngine::accepts_calls() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return !stopping_ || (on_worker_thread() && !ended_);
+  return !stopping_ || (!let_go_ && on_worker_thread() && !ended_);
 }
 
 std::shared_ptr<RingWork> RingEngine::submit(Job job) {
@@ -322,7 +322,8 @@ std::shared_ptr<RingWork> RingEngine::submit(Job job) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // a call a callback issues while stop() waits runs before the worker ends: its peers' runs too
-    TORCH_CHECK(!stopping_ || (on_worker_thread() && !ended_), "gradsync: the ring engine of this group is shut down");
+    TORCH_CHECK(!stopping_ || (!let_go_ && on_worker_thread() && !ended_),
+                "gradsync: the ring engine of this group is shut down");
     queue_.push_back(std::move(job));
   }
   queue_cv_.notify_one();

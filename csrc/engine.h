@@ -89,14 +89,16 @@ class RingEngine {
   static bool on_worker_thread();
   bool on_own_worker_thread() const;
   // Whether a call the calling thread submits now runs on this engine: until stop(), and after it,
-  // from an engine's worker (a call's callback) until this engine's worker has ended.
+  // from an engine's worker (a call's callback) until this engine's worker has ended (not after
+  // stop_if_idle()).
   bool accepts_calls();
   // How many calls this engine's group has made (earlier engines' included); read it once stopped.
   uint32_t sequence() const { return sequence_; }
   // Runs every issued call, then ends the worker thread. Idempotent; the destructor calls it.
   void stop();
-  // Stops the engine where it has no call, issued or running: later calls raise, and sequence() and
-  // broken() are final. Whether it did; stop() still ends the worker.
+  // Stops the engine where it has no call, issued or running: later calls raise, those of its own
+  // worker's callbacks too (they go to the group's next engine), so sequence() and broken() are
+  // final. Whether it did; stop() still ends the worker.
   bool stop_if_idle();
   // Keeps the process group alive forever: for a group that torch.distributed already destroyed,
   // whose last release could block in the backend's teardown once peers have exited.
@@ -170,6 +172,7 @@ class RingEngine {
   bool stopping_ = false;
   bool ended_ = false;  // the worker ran every call and ended (stopping)
   bool running_ = false;  // the worker is running a call, until its future completes
+  bool let_go_ = false;  // stopped by stop_if_idle()
   std::string broken_;  // set once a transport failure left messages in flight
   int64_t settled_posted_ = 0;  // the transport's count of posted messages when none was last in flight
   uint32_t sequence_ = 0;
