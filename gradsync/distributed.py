@@ -438,9 +438,10 @@ _HELD_BY_A_TABLE_ALONE = next(iter(_reference_counts({object(): None}).values())
 
 def _idle_and_held_by_gradsync_alone():
     """The groups of ``_engines`` held by nothing but the table (in Python) and their engine (in C++,
-    besides their Python object), and not named in torch's registry, whose engines had no call (a group subclassed in Python needs its
-    Python object for its calls): their engines are stopped. Not those of an NCCL communicator,
-    which every rank would have to join anew, should a weak reference still reach the group."""
+    besides their Python object), not named in torch's registry, and whose engines had no call (a
+    group subclassed in Python needs its Python object for its calls): their engines are stopped.
+    Not those of an NCCL communicator, which every rank would have to join anew, should a weak
+    reference still reach the group."""
     idle = []
     for group, count in _reference_counts(_engines).items():
         engine = _engines[group]
