@@ -1658,9 +1658,7 @@ def lifecycle(rank, size):
     gradsync.all_reduce(y, op="sum")
     out["waited in a callback"] = seen, y.tolist()
 
-    def native_threads():
-        return len(os.listdir("/proc/self/task"))
-    before = native_threads()
+    before = threads_now()
     for _ in range(12):
         group = dist.new_group(list(range(size)))
         gradsync.all_reduce(torch.ones(100000), group=group, codec="bf16")
@@ -1669,25 +1667,25 @@ def lifecycle(rank, size):
     last = dist.new_group(list(range(size)))
     gradsync.all_reduce(torch.ones(4), group=last)  # a new engine lets go of the destroyed groups'
     deadline = time.monotonic() + 20
-    while native_threads() > before + 16 and time.monotonic() < deadline:
+    while threads_now() > before + 16 and time.monotonic() < deadline:
         time.sleep(0.05)
-    out["threads added by 12 destroyed groups"] = native_threads() - before
+    out["threads added by 12 destroyed groups"] = threads_now() - before
     out["engines"] = len(gradsync.distributed._engines)
     with pytest.raises((RuntimeError, ValueError)):  # torch's own error, or gradsync's where torch has none
         gradsync.all_reduce(torch.ones(4), group=group)
     del group
 
     gradsync.shutdown()
-    settled, before = -1, native_threads()
+    settled, before = -1, threads_now()
     while before != settled and time.monotonic() < deadline + 20:  # the 12 groups' threads ending
         time.sleep(0.3)
-        settled, before = before, native_threads()
+        settled, before = before, threads_now()
     used_then_destroyed(size, 6)
     gradsync.shutdown()  # lets go of the destroyed groups too (no new engine may ever come)
     deadline = time.monotonic() + 20
-    while native_threads() > before and time.monotonic() < deadline:
+    while threads_now() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    out["threads left by 6 groups destroyed before shutdown()"] = native_threads() - before
+    out["threads left by 6 groups destroyed before shutdown()"] = threads_now() - before
 
     done = gradsync.all_reduce(torch.ones(4), async_op=True)
     done.wait()
