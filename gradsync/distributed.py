@@ -137,26 +137,32 @@ def _wait_seconds(timeout):
 
 class _ForgetResidualsOnLoad:
     """``load_state_dict`` hooks of a module: the parameters a load wrote (their autograd versions
-    moved) restart the error feedback of the object held weakly (its ``_forget_residuals(written)``,
-    parameter ids), as in a new process. A load that wrote nothing (``strict=False`` with other
-    keys, one that failed) changes nothing. A copy of the module (``copy.deepcopy``, ``torch.save``)
-    gets inert hooks: the copy's own wrapper or hooks register theirs."""
+    moved, or new ones that ``assign=True`` put in their place) restart the error feedback of the
+    object held weakly (its ``_forget_residuals(written)``, parameter ids), as in a new process. A
+    load that wrote nothing (``strict=False`` with other keys, one that failed) changes nothing. A
+    copy of the module (``copy.deepcopy``, ``torch.save``) gets inert hooks: the copy's own wrapper
+    or hooks register theirs."""
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner) if owner is not None else None
-        self._versions = {}
+        self._versions, self._assigned = {}, set()
 
     def register(self, module):
         """The hooks' handles."""
         return [module.register_load_state_dict_pre_hook(self.before), module.register_load_state_dict_post_hook(self)]
 
-    def before(self, module, *args):  # before its own and its submodules' parameters load
+    def before(self, module, state_dict, prefix, local_metadata, *args):  # before its own and its submodules' load
         self._versions = {id(p): p._version for p in module.parameters()}
+        # by name: the new parameters may take the ids of the old, once these are freed
+        assigns = local_metadata.get("assign_to_params_buffers", False)
+        self._assigned = {name for name, _ in module.named_parameters(remove_duplicate=False)
+                          if assigns and prefix + name in state_dict}
 
     def __call__(self, module, incompatible_keys):
         owner = self._owner() if self._owner is not None else None
-        written = {id(p) for p in module.parameters() if self._versions.get(id(p), p._version) != p._version}
-        self._versions = {}
+        written = {id(p) for name, p in module.named_parameters(remove_duplicate=False)
+                   if name in self._assigned or self._versions.get(id(p), p._version) != p._version}
+        self._versions, self._assigned = {}, set()
         if owner is not None and written:
             owner._forget_residuals(written)
 

@@ -260,7 +260,31 @@ class _NotingPostBackward:
     def __call__(self, *args):
         group = self.group
         group._gradsync_reduced = tuple(_reduced(group, fp) for fp in getattr(group, "fsdp_params", ()))
+        if getattr(group, "reduce_grads", False):
+            _accumulate_in_one_dtype(group)
         return self.post_backward(*args)
+
+
+def _accumulate_in_one_dtype(group):
+    """FSDP2 reduces a group's gradients in one buffer and asserts that they share a dtype, but
+    after micro-batches without gradient sync (``set_requires_gradient_sync(False)``) the gradients
+    of those are accumulated in the reduce dtype, while a parameter first used in the last one, or
+    the zeros of one unused under ``set_reduce_scatter_unused_params`` (error feedback), are in the
+    parameter's dtype (``param_dtype``): those become accumulated gradients of the others' dtype."""
+    fsdp_params = [fp for fp in getattr(group, "fsdp_params", ()) if hasattr(fp, "_unsharded_param")]
+    accumulated = [fp.unsharded_accumulated_grad for fp in fsdp_params
+                   if getattr(fp, "unsharded_accumulated_grad", None) is not None]
+    if not accumulated:
+        return
+    dtype = accumulated[0].dtype
+    for fp in fsdp_params:
+        param = fp.unsharded_param
+        if fp.unsharded_accumulated_grad is not None or param.dtype == dtype:
+            continue
+        if param.grad is not None:
+            fp.unsharded_accumulated_grad, param.grad = param.grad.to(dtype), None
+        elif getattr(group, "reduce_scatter_unused_params", False) and param.requires_grad:
+            fp.unsharded_accumulated_grad = torch.zeros_like(param, dtype=dtype)
 
 
 def _reduced(group, fsdp_param):

@@ -788,9 +788,10 @@ def test_fsdp2_setup_refuses_what_the_backward_would_reduce_in_float64(worlds):
                     (refused, backward)
 
 
-def fsdp_loaded_in_place(rank, size):
+def fsdp_loaded(rank, size):
     """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a model whose
-    residuals two backwards had filled before it loaded the checkpoint in place, and of a new one."""
+    residuals two backwards had filled before it loaded the checkpoint in place, of one that loaded
+    it with assign=True (new parameters), and of a new one."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -798,7 +799,7 @@ def fsdp_loaded_in_place(rank, size):
 
     mesh = init_device_mesh("cpu", (size,))
     out = []
-    for warm_steps in (2, 0):
+    for warm_steps, assign in ((2, False), (2, True), (0, False)):
         torch.manual_seed(0)
         model = Mlp()
         for layer in model.layers:
@@ -810,7 +811,7 @@ def fsdp_loaded_in_place(rank, size):
             x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 + 100 * step + rank))
             F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
             model.zero_grad()
-        model.load_state_dict(checkpoint)
+        model.load_state_dict(checkpoint, assign=assign)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(3):
             x = torch.randn(16, 16, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -823,5 +824,79 @@ def fsdp_loaded_in_place(rank, size):
 
 def test_fsdp2_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
     skip_without_fsdp2_error_feedback()
-    for loaded_in_place, fresh in worlds(2).run(fsdp_loaded_in_place):
+    for loaded_in_place, assigned, fresh in worlds(2).run(fsdp_loaded):
         assert torch.equal(loaded_in_place, fresh), (loaded_in_place - fresh).abs().max()
+        assert torch.equal(assigned, fresh), (assigned - fresh).abs().max()
+
+
+class MlpWithLateAndSpare(Mlp):
+    """Mlp whose root also holds `late`, used in a step's last micro-batch alone (or, scaled by
+    `late_scale`, in every one), and `spare`, used in none."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.spare = torch.nn.Linear(16, 1), torch.nn.Linear(16, 5)
+
+    def forward(self, x, late_scale=1.0):
+        out = super().forward(x)
+        return out if late_scale is None else out + late_scale * self.late(x)
+
+
+def fsdp_accumulating(rank, size):
+    """Per (policy, setup, mode), the full parameters after 2 steps of 2 micro-batches each, the first
+    without gradient sync, under mixed precision: FSDP2 accumulates the first micro-batch's
+    gradients in the reduce dtype, while `late` (first used in the last micro-batch) and `spare`
+    (reduce-scattered as zeros under error feedback) have theirs in the parameter's. "torch" (the
+    reference, FSDP2 over all ranks) uses `late` with a factor 0 in the first micro-batch: the
+    same sums, without a parameter whose gradient starts late, which its FSDP2 cannot reduce.
+    Setups: gradsync's reduce-scatter over all ranks, or FSDP2's over each pair and gradsync's
+    all-reduce across the pairs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from gradsync import fsdp
+
+    flat = init_device_mesh("cpu", (size,))
+    hybrid = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("replicate", "shard"))
+    policies = {"param bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                "reduce bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
+    out = {}
+    setups = [("torch", ["torch"]), ("scatter", ["none", "none+ef"]), ("replicas", ["none", "none+ef"])]
+    for (policy_name, policy), (setup, modes) in itertools.product(policies.items(), setups):
+        for mode in modes:
+            torch.manual_seed(0)
+            model = MlpWithLateAndSpare()
+            mesh = hybrid["shard"] if setup == "replicas" else flat
+            for layer in model.layers[:-1]:  # the root holds the last layer, `late` and `spare`
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            if setup == "scatter":
+                fsdp.compress_reduce_scatter(model, "none", error_feedback=mode == "none+ef")
+            elif setup == "replicas":
+                fsdp.compress_replica_all_reduce(model, hybrid["replicate"].get_group(), "none",
+                                                 error_feedback=mode == "none+ef")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(2):
+                opt.zero_grad()
+                for micro in range(2):
+                    model.set_requires_gradient_sync(micro == 1)
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                    late_scale = 1.0 if micro == 1 else (0.0 if setup == "torch" else None)
+                    F.mse_loss(model(x, late_scale).float(), torch.sin(x[:, :1])).backward()
+                opt.step()
+            out[policy_name, setup, mode] = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    return out
+
+
+def test_fsdp2_accumulates_mixed_precision_gradients_that_start_late_or_never(worlds):
+    """FSDP2 asserts that one post_backward's gradients share a dtype; gradsync's hooks make those
+    that start in the last micro-batch, and the zeros of unused parameters that error feedback
+    makes it reduce-scatter, accumulate in the reduce dtype as the others do."""
+    skip_without_fsdp2_error_feedback()
+    results = worlds(4).run(fsdp_accumulating)
+    for key in results[0]:
+        assert all(torch.equal(r[key], results[0][key]) for r in results), f"{key}: ranks differ"
+    for (policy, setup, mode), params in results[0].items():
+        reference = results[0][policy, "torch", "torch"]
+        distance = float((params - reference).norm() / reference.norm())
+        assert distance < (1e-6 if policy == "param bf16" else 1e-3), (policy, setup, mode, distance)  # 0, 1.6e-4 here
