@@ -145,24 +145,28 @@ class _ForgetResidualsOnLoad:
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner) if owner is not None else None
-        self._versions, self._assigned = {}, set()
+        self._before, self._assigns = {}, False
 
     def register(self, module):
         """The hooks' handles."""
         return [module.register_load_state_dict_pre_hook(self.before), module.register_load_state_dict_post_hook(self)]
 
     def before(self, module, state_dict, prefix, local_metadata, *args):  # before its own and its submodules' load
-        self._versions = {id(p): p._version for p in module.parameters()}
-        # by name: the new parameters may take the ids of the old, once these are freed
-        assigns = local_metadata.get("assign_to_params_buffers", False)
-        self._assigned = {name for name, _ in module.named_parameters(remove_duplicate=False)
-                          if assigns and prefix + name in state_dict}
+        # assign=True puts new parameters in place, which may take the ids of the old once these are
+        # freed: the old are held until the load ends (strongly: a weak reference stops swap_tensors)
+        self._assigns = bool(local_metadata.get("assign_to_params_buffers", False))
+        self._before = {id(p): (p if self._assigns else None, p._version) for p in module.parameters()}
+
+    def _written(self, p):
+        if id(p) not in self._before:
+            return self._assigns
+        held, version = self._before[id(p)]
+        return (held is not None and held is not p) or version != p._version
 
     def __call__(self, module, incompatible_keys):
         owner = self._owner() if self._owner is not None else None
-        written = {id(p) for name, p in module.named_parameters(remove_duplicate=False)
-                   if name in self._assigned or self._versions.get(id(p), p._version) != p._version}
-        self._versions, self._assigned = {}, set()
+        written = {id(p) for p in module.parameters() if self._written(p)}
+        self._before, self._assigns = {}, False
         if owner is not None and written:
             owner._forget_residuals(written)
 

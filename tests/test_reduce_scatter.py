@@ -791,7 +791,9 @@ def test_fsdp2_setup_refuses_what_the_backward_would_reduce_in_float64(worlds):
 def fsdp_loaded(rank, size):
     """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a model whose
     residuals two backwards had filled before it loaded the checkpoint in place, of one that loaded
-    it with assign=True (new parameters), and of a new one."""
+    it with assign=True (new parameters), of one whose layers sit in activation checkpointing's
+    wrapper (which renames their state dict keys) that did too, and of a new one."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -799,9 +801,11 @@ def fsdp_loaded(rank, size):
 
     mesh = init_device_mesh("cpu", (size,))
     out = []
-    for warm_steps, assign in ((2, False), (2, True), (0, False)):
+    for warm_steps, assign, wrapped in ((2, False, False), (2, True, False), (2, True, True), (0, False, False)):
         torch.manual_seed(0)
         model = Mlp()
+        if wrapped:
+            model.layers = torch.nn.ModuleList([checkpoint_wrapper(layer) for layer in model.layers])
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -824,9 +828,50 @@ def fsdp_loaded(rank, size):
 
 def test_fsdp2_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
     skip_without_fsdp2_error_feedback()
-    for loaded_in_place, assigned, fresh in worlds(2).run(fsdp_loaded):
-        assert torch.equal(loaded_in_place, fresh), (loaded_in_place - fresh).abs().max()
-        assert torch.equal(assigned, fresh), (assigned - fresh).abs().max()
+    for *loaded, fresh in worlds(2).run(fsdp_loaded):
+        for how, params in zip(["in place", "assign=True", "assign=True, wrapped layers"], loaded):
+            assert torch.equal(params, fresh), (how, (params - fresh).abs().max())
+
+
+def fsdp_partial_loads(rank, size):
+    """How many residuals the root's and the first layer's reduce-scatters keep after each load."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync import fsdp
+
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = MlpWithLateAndSpare()
+    for layer in model.layers[:-1]:  # the root holds the last layer, `late` and `spare`
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fsdp.compress_reduce_scatter(model, "fp8_e4m3", error_feedback=True)
+    comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for m in (model, model.layers[0])]
+    checkpoint = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kept = []
+    for keys, assign in [("layers.0.", True), ("nothing", True), ("bad shape", True), ("late.", True),
+                         ("layers.0.", False), ("late.", False)]:
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank))
+        F.mse_loss(model(x), torch.sin(x[:, :1])).backward()  # a residual each
+        model.zero_grad()
+        if keys == "bad shape":
+            with pytest.raises(RuntimeError, match="size mismatch"):
+                model.load_state_dict({"late.weight": torch.zeros(3)}, strict=False, assign=True)
+        else:
+            model.load_state_dict({k: v for k, v in checkpoint.items() if k.startswith(keys)}, strict=False,
+                                  assign=assign)
+        kept.append([len(c._residuals) for c in comms])
+    return kept
+
+
+def test_fsdp2_a_load_restarts_the_residuals_of_the_modules_whose_parameters_it_writes(worlds):
+    """A load of the first layer's parameters restarts its module's residuals, not the root's; one of
+    the root's `late` restarts the root's alone; one that writes nothing (no key, or a size
+    mismatch) none; with assign=True (new parameters) and in place."""
+    skip_without_fsdp2_error_feedback()
+    expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1]]
+    assert worlds(2).run(fsdp_partial_loads) == [expected, expected]
 
 
 class MlpWithLateAndSpare(Mlp):
