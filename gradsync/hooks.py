@@ -353,10 +353,12 @@ class HierarchicalState(GradSyncState):
     Give ``local_size`` (ranks per node, default: torchrun's ``LOCAL_WORLD_SIZE``) and both groups
     are made here from the default group, each node being ``local_size`` consecutive ranks as
     torchrun numbers them; making groups is collective, so every rank constructs its state at the
-    same point; ranks that disagree on ``local_size`` raise on every rank, and the groups time out
-    as the default group does. Or pass both groups, which are checked (collectively too): every
-    rank of a cross group must hold the same place in a node of the same size, and every rank of a
-    node see as many nodes. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to the
+    same point; ranks that disagree on ``local_size``, or one whose ``codec`` or ``error_feedback``
+    is refused, raise on every rank, and the groups time out as the default group does. Or pass
+    both groups, which are checked (collectively too, over the groups themselves: groups that
+    differ between their ranks wait for their timeout): every rank of a cross group must hold the
+    same place in a node of the same size, and every rank of a node see as many nodes; a
+    ``local_size`` given with them must be the node's size. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to the
     all-reduce across nodes; the residual then has the shard's size, 1/``local_size`` of the
     bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step).
     Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
@@ -370,10 +372,16 @@ class HierarchicalState(GradSyncState):
                  local_group: Optional[dist.ProcessGroup] = None, cross_group: Optional[dist.ProcessGroup] = None):
         if (local_group is None) != (cross_group is None):
             raise ValueError("pass both local_group and cross_group, or neither (and local_size)")
+
+        def check_arguments():  # before any exchange, with local_size's where the groups are made here
+            _check_codec(codec)
+            _check_flag(error_feedback, "error_feedback")
+
         if local_group is None:
-            local_group, cross_group = _node_groups(local_size)
+            local_group, cross_group = _node_groups(local_size, check_arguments)
         else:
-            _check_node_groups(local_group, cross_group)
+            check_arguments()
+            _check_node_groups(local_group, cross_group, local_size)
         super().__init__(cross_group, codec, error_feedback)
         self.local_group, self.cross_group = local_group, cross_group
         self._shard_residuals = {}
@@ -402,21 +410,33 @@ class HierarchicalState(GradSyncState):
         return residual
 
 
-def _node_groups(local_size):
+def _node_groups(local_size, check_arguments=lambda: None):
     """(this rank's node group, this rank's group across the nodes), nodes of local_size consecutive
-    ranks. Every rank's local_size is compared first, so that ranks that disagree (torchrun's
-    LOCAL_WORLD_SIZE on nodes of different sizes, a typo on one rank) raise on every rank rather than
-    make groups that never meet. The groups time out as the default group does."""
+    ranks. Every rank's local_size, and whether ``check_arguments()`` (the state's other arguments)
+    raised, are compared first, so that ranks that disagree (torchrun's LOCAL_WORLD_SIZE on nodes of
+    different sizes, a typo on one rank) raise on every rank rather than make groups that never
+    meet. The groups time out as the default group does."""
     from_env = local_size is None
     if from_env:
         local_size = os.environ.get("LOCAL_WORLD_SIZE")
     shown = local_size if local_size is None or isinstance(local_size, (int, str)) else repr(local_size)
     size = _ranks_per_node(local_size)
+    try:
+        check_arguments()
+        refused = None
+    except (TypeError, ValueError) as error:
+        refused = error
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, (size, shown))
-    if len({each if each is not None else ("not one", given) for each, given in values}) > 1:
+    dist.all_gather_object(values, (size, shown, None if refused is None else (type(refused) is TypeError, str(refused))))
+    if refused is not None:
+        raise refused
+    for peer, (_, _, why) in enumerate(values):
+        if why is not None:  # raised as that rank's error was
+            raise (TypeError if why[0] else ValueError)(f"HierarchicalState: rank {peer} refused its arguments "
+                                                        f"({why[1]}), so no groups are made")
+    if len({each if each is not None else ("not one", given) for each, given, _ in values}) > 1:
         source = "LOCAL_WORLD_SIZE" if from_env else "local_size"
-        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[g for _, g in values]}: "
+        raise ValueError(f"the ranks disagree on {source} (ranks per node), rank by rank {[g for _, g, _ in values]}: "
                          "hierarchical sync needs nodes of one size, each of consecutive ranks; pass the same "
                          "local_size on every rank, or local_group and cross_group")
     if local_size is None:
@@ -453,11 +473,16 @@ def _check_two_groups(local_group, cross_group):
                          "nodes; got the same group for both")
 
 
-def _check_node_groups(local_group, cross_group):
+def _check_node_groups(local_group, cross_group, local_size=None):
     """Every rank of the cross group holds the same place in a node of the same size: otherwise its
     shards would be different chunks of the buckets, and summed all the same. Groups that do not
-    cover the default group average within parts of it: a warning, since DDP may run on a subgroup."""
+    cover the default group average within parts of it: a warning, since DDP may run on a subgroup.
+    The exchanges run on the given groups: groups that differ between their ranks (a node of other
+    ranks on one of them) wait for the groups' timeout."""
     _check_two_groups(local_group, cross_group)
+    if local_size is not None and _ranks_per_node(local_size) != local_group.size():
+        raise ValueError(f"local_size {local_size!r} contradicts local_group, whose node has {local_group.size()} "
+                         "ranks: pass local_size, or local_group and cross_group")
     mine = (local_group.rank(), local_group.size())
     places = [None] * cross_group.size()
     dist.all_gather_object(places, mine, group=cross_group)

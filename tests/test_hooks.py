@@ -316,6 +316,16 @@ def hierarchical_misuse(rank, size):
     timeouts = {hooks._timeout_of(g) for g in (dist.group.WORLD, state.local_group, state.cross_group)}
     assert timeouts == {datetime.timedelta(seconds=60)}, timeouts
     hooks.HierarchicalState("2" if rank == 0 else 2)  # one value, however it is written
+    # a codec refused on one rank is refused on every rank before any group is made
+    with pytest.raises(ValueError, match="rank 3 refused its arguments .*'fp9'" if rank != 3 else "'fp9'"):
+        hooks.HierarchicalState(2, "fp9" if rank == 3 else "fp16")
+    with pytest.raises(TypeError, match="rank 3 refused its arguments .*error_feedback" if rank != 3 else
+                       "error_feedback"):
+        hooks.HierarchicalState(2, error_feedback="yes" if rank == 3 else False)
+    with pytest.raises(ValueError, match="local_size 3 contradicts local_group, whose node has 2 ranks"):
+        hooks.HierarchicalState(3, local_group=state.local_group, cross_group=state.cross_group)
+    assert hooks.HierarchicalState(2, local_group=state.local_group, cross_group=state.cross_group).local_group \
+        is state.local_group
     with pytest.raises(ValueError, match="pass both local_group and cross_group"):
         hooks.HierarchicalState(local_group=dist.group.WORLD)
     ddp = DDP(make_net(), bucket_cap_mb=BUCKET_MB)
