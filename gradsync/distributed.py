@@ -135,38 +135,52 @@ def _wait_seconds(timeout):
     return seconds or -1.0
 
 
+_LOADING = "_gradsync_loading"  # a parameter's mark while a load is under way
+
+
 class _ForgetResidualsOnLoad:
     """``load_state_dict`` hooks of a module: the parameters a load wrote (their autograd versions
-    moved, or new ones that ``assign=True`` put in their place) restart the error feedback of the
-    object held weakly (its ``_forget_residuals(written)``, parameter ids), as in a new process. A
-    load that wrote nothing (``strict=False`` with other keys, one that failed) changes nothing. A
-    copy of the module (``copy.deepcopy``, ``torch.save``) gets inert hooks: the copy's own wrapper
-    or hooks register theirs."""
+    moved, or other tensors took their place: ``assign=True``, torch's ``swap_tensors`` mode) restart
+    the error feedback of the object held weakly (its ``_forget_residuals(written)``, parameter ids),
+    as in a new process. The parameters watched are the module's, or those the object names
+    (``_watched_parameters(module)``). A load that wrote nothing (``strict=False`` with other keys,
+    a size mismatch) changes nothing. A copy of the module (``copy.deepcopy``, ``torch.save``) gets
+    inert hooks: the copy's own wrapper or hooks register theirs."""
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner) if owner is not None else None
-        self._before, self._assigns = {}, False
+        self._token, self._versions = None, {}
 
     def register(self, module):
         """The hooks' handles."""
         return [module.register_load_state_dict_pre_hook(self.before), module.register_load_state_dict_post_hook(self)]
 
-    def before(self, module, state_dict, prefix, local_metadata, *args):  # before its own and its submodules' load
-        # assign=True puts new parameters in place, which may take the ids of the old once these are
-        # freed: the old are held until the load ends (strongly: a weak reference stops swap_tensors)
-        self._assigns = bool(local_metadata.get("assign_to_params_buffers", False))
-        self._before = {id(p): (p if self._assigns else None, p._version) for p in module.parameters()}
+    def _watched(self, module):
+        owner = self._owner() if self._owner is not None else None
+        if owner is None:
+            return None, []
+        named = getattr(owner, "_watched_parameters", None)
+        return owner, list(named(module) if named is not None else module.parameters())
 
-    def _written(self, p):
-        if id(p) not in self._before:
-            return self._assigns
-        held, version = self._before[id(p)]
-        return (held is not None and held is not p) or version != p._version
+    def before(self, module, *args):  # before its own and its submodules' load
+        # A mark in each parameter's __dict__, which a tensor put in its place lacks: ids are taken
+        # again once the old are freed, and a weak reference stops swap_tensors (which swaps __dict__)
+        self._token, self._versions = object(), {}
+        for p in self._watched(module)[1]:
+            p.__dict__.setdefault(_LOADING, set()).add(self._token)
+            self._versions[id(p)] = p._version
 
     def __call__(self, module, incompatible_keys):
-        owner = self._owner() if self._owner is not None else None
-        written = {id(p) for p in module.parameters() if self._written(p)}
-        self._before, self._assigns = {}, False
+        owner, params = self._watched(module)
+        written = set()
+        for p in params:
+            marks = p.__dict__.get(_LOADING, set())
+            if self._token not in marks or self._versions.get(id(p)) != p._version:
+                written.add(id(p))
+            marks.discard(self._token)
+            if not marks:
+                p.__dict__.pop(_LOADING, None)
+        self._token, self._versions = None, {}
         if owner is not None and written:
             owner._forget_residuals(written)
 

@@ -85,8 +85,11 @@ class ReduceScatter(_ReduceScatterComm):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _forget_residuals(self, written):
-        _forget_if_its_own(self, written)
+    def _forget_residuals(self, written):  # a residual spans the module's parameters
+        self._residuals.clear()
+
+    def _watched_parameters(self, module):
+        return _own_parameters(self)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -150,8 +153,11 @@ class ReplicaAllReduce:
         self._residuals = {}
         self._param_groups = ()  # set by compress_replica_all_reduce, as for ReduceScatter
 
-    def _forget_residuals(self, written):
-        _forget_if_its_own(self, written)
+    def _forget_residuals(self, written):  # a residual spans the module's parameters
+        self._residuals.clear()
+
+    def _watched_parameters(self, module):
+        return _own_parameters(self)
 
     def __call__(self, shard: torch.Tensor) -> None:
         _check_reduce_dtype(shard.dtype, "ReplicaAllReduce")
@@ -186,13 +192,11 @@ class _Layouts:
         self._seen.add(key)
 
 
-def _forget_if_its_own(hook, written):
-    """A load that wrote a parameter of the hook's module (its parameter groups'; any, for a hook made
-    by hand) restarts every residual, which spans the module's gradients; one that wrote only a
-    submodule's, which has an FSDP module and hook of its own, does not."""
-    own = {id(fp.sharded_param) for g in hook._param_groups for fp in getattr(g, "fsdp_params", ())}
-    if not own or written & own:
-        hook._residuals.clear()
+def _own_parameters(hook):
+    """The sharded parameters of the hook's module's parameter groups: what a load restarts its
+    residuals for (not a submodule's, which has hooks of its own; and after a forward that left them
+    unsharded, FSDP2 puts these back in the module before they load)."""
+    return [fp.sharded_param for g in hook._param_groups for fp in getattr(g, "fsdp_params", ())]
 
 
 def _check_reduce_dtype(dtype, caller):

@@ -792,7 +792,9 @@ def fsdp_loaded(rank, size):
     """Parameters after 3 steps from one checkpoint with fp8 error feedback: of a model whose
     residuals two backwards had filled before it loaded the checkpoint in place, of one that loaded
     it with assign=True (new parameters), of one whose layers sit in activation checkpointing's
-    wrapper (which renames their state dict keys) that did too, and of a new one."""
+    wrapper (which renames their state dict keys) that did too, of one that did under torch's
+    swap_tensors mode (the parameters keep their objects, the versions start again), of one that ran
+    a forward without gradients first (which leaves the root's parameters unsharded), and of a new one."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -801,10 +803,11 @@ def fsdp_loaded(rank, size):
 
     mesh = init_device_mesh("cpu", (size,))
     out = []
-    for warm_steps, assign, wrapped in ((2, False, False), (2, True, False), (2, True, True), (0, False, False)):
+    cases = [(2, False, ""), (2, True, ""), (2, True, "wrapped"), (2, True, "swap"), (2, False, "eval"), (0, False, "")]
+    for warm_steps, assign, how in cases:
         torch.manual_seed(0)
         model = Mlp()
-        if wrapped:
+        if how == "wrapped":
             model.layers = torch.nn.ModuleList([checkpoint_wrapper(layer) for layer in model.layers])
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -815,7 +818,15 @@ def fsdp_loaded(rank, size):
             x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 + 100 * step + rank))
             F.mse_loss(model(x), torch.sin(x[:, :1])).backward()
             model.zero_grad()
-        model.load_state_dict(checkpoint, assign=assign)
+        if how == "eval":
+            with torch.no_grad():
+                model(torch.randn(4, 16))
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(how == "swap")
+        try:
+            model.load_state_dict(checkpoint, assign=assign)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(3):
             x = torch.randn(16, 16, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -829,12 +840,14 @@ def fsdp_loaded(rank, size):
 def test_fsdp2_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(worlds):
     skip_without_fsdp2_error_feedback()
     for *loaded, fresh in worlds(2).run(fsdp_loaded):
-        for how, params in zip(["in place", "assign=True", "assign=True, wrapped layers"], loaded):
+        for how, params in zip(["in place", "assign=True", "assign=True, wrapped layers", "assign=True, swapped",
+                                "in place after a forward without gradients"], loaded):
             assert torch.equal(params, fresh), (how, (params - fresh).abs().max())
 
 
 def fsdp_partial_loads(rank, size):
-    """How many residuals the root's and the first layer's reduce-scatters keep after each load."""
+    """How many residuals the root's and the first layer's reduce-scatters keep after each load (made
+    after a forward without gradients), and whether a mark of gradsync's is left on a parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -851,10 +864,12 @@ def fsdp_partial_loads(rank, size):
     checkpoint = {k: v.detach().clone() for k, v in model.state_dict().items()}
     kept = []
     for keys, assign in [("layers.0.", True), ("nothing", True), ("bad shape", True), ("late.", True),
-                         ("layers.0.", False), ("late.", False)]:
+                         ("layers.0.", False), ("late.", False), ("layers.0.", True)]:
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank))
         F.mse_loss(model(x), torch.sin(x[:, :1])).backward()  # a residual each
         model.zero_grad()
+        with torch.no_grad():  # leaves the root's parameters unsharded, until a load or forward reshards them
+            model(x)
         if keys == "bad shape":
             with pytest.raises(RuntimeError, match="size mismatch"):
                 model.load_state_dict({"late.weight": torch.zeros(3)}, strict=False, assign=True)
@@ -862,6 +877,7 @@ def fsdp_partial_loads(rank, size):
             model.load_state_dict({k: v for k, v in checkpoint.items() if k.startswith(keys)}, strict=False,
                                   assign=assign)
         kept.append([len(c._residuals) for c in comms])
+    assert not any("_gradsync_loading" in p.__dict__ for p in model.parameters())
     return kept
 
 
@@ -870,7 +886,7 @@ def test_fsdp2_a_load_restarts_the_residuals_of_the_modules_whose_parameters_it_
     the root's `late` restarts the root's alone; one that writes nothing (no key, or a size
     mismatch) none; with assign=True (new parameters) and in place."""
     skip_without_fsdp2_error_feedback()
-    expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1]]
+    expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1], [1, 0]]
     assert worlds(2).run(fsdp_partial_loads) == [expected, expected]
 
 
