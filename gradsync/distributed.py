@@ -149,7 +149,7 @@ class _ForgetResidualsOnLoad:
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner) if owner is not None else None
-        self._token, self._versions = None, {}
+        self._key, self._token, self._versions = id(self), None, {}
 
     def register(self, module):
         """The hooks' handles."""
@@ -164,20 +164,21 @@ class _ForgetResidualsOnLoad:
 
     def before(self, module, *args):  # before its own and its submodules' load
         # A mark in each parameter's __dict__, which a tensor put in its place lacks: ids are taken
-        # again once the old are freed, and a weak reference stops swap_tensors (which swaps __dict__)
-        self._token, self._versions = object(), {}
+        # again once the old are freed, and a weak reference stops swap_tensors (which swaps __dict__).
+        # Plain ints, under this hook's key: a load that raised leaves its mark until this hook's next.
+        self._token, self._versions = int.from_bytes(os.urandom(8), "little"), {}
         for p in self._watched(module)[1]:
-            p.__dict__.setdefault(_LOADING, set()).add(self._token)
+            p.__dict__.setdefault(_LOADING, {})[self._key] = self._token
             self._versions[id(p)] = p._version
 
     def __call__(self, module, incompatible_keys):
         owner, params = self._watched(module)
         written = set()
         for p in params:
-            marks = p.__dict__.get(_LOADING, set())
-            if self._token not in marks or self._versions.get(id(p)) != p._version:
+            marks = p.__dict__.get(_LOADING, {})
+            if marks.get(self._key) != self._token or self._versions.get(id(p)) != p._version:
                 written.add(id(p))
-            marks.discard(self._token)
+            marks.pop(self._key, None)
             if not marks:
                 p.__dict__.pop(_LOADING, None)
         self._token, self._versions = None, {}

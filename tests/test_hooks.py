@@ -1883,6 +1883,19 @@ def partial_loads(rank, size):
     model.module.load_state_dict({first: named[first].detach().clone()}, strict=False)
     after = residuals()
     assert not after[first].any() and all(torch.equal(before[n], after[n]) for n in named if n != first)
+    # a load that raises before its end (a submodule's own pre-hook) leaves gradsync's marks on the
+    # parameters until the next load, which takes them all away
+    module = next(m for m in model.module.modules() if any(True for _ in m.parameters(recurse=False)))
+
+    def refuse(*args):
+        raise RuntimeError("checkpoint refused")
+
+    handle = module.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="checkpoint refused"):
+        model.module.load_state_dict({})
+    handle.remove()
+    model.module.load_state_dict({}, strict=False)
+    assert not any("_gradsync_loading" in p.__dict__ for p in model.module.parameters())
     return True
 
 
