@@ -138,19 +138,6 @@ def _wait_seconds(timeout):
 _LOADING = "_gradsync_loading"  # a parameter's mark while a load is under way
 
 
-def _memory_of(t):
-    """The elements a tensor (a DTensor's local part, maybe an empty view of FSDP2's padded shard)
-    views, as far as telling them apart goes; None where it views no memory (meta, a storage of
-    no bytes, a subclass without storage)."""
-    t = getattr(t, "_local_tensor", t)
-    try:
-        if t.is_meta or not t.untyped_storage().data_ptr():
-            return None
-        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 class _ForgetResidualsOnLoad:
     """``load_state_dict`` hooks of a module: the parameters a load wrote (their autograd versions
     moved, or other tensors took their place: ``assign=True``, torch's ``swap_tensors`` mode) restart
@@ -175,25 +162,21 @@ class _ForgetResidualsOnLoad:
         named = getattr(owner, "_watched_parameters", None)
         return owner, list(named(module) if named is not None else module.parameters())
 
-    def before(self, module, state_dict, *args):  # before its own and its submodules' load
+    def before(self, module, *args):  # before its own and its submodules' load
         # A mark in each parameter's __dict__, which a tensor put in its place lacks: ids are taken
         # again once the old are freed, and a weak reference stops swap_tensors (which swaps __dict__).
         # Plain ints, under this hook's key: a load that raised leaves its mark until this hook's next.
         self._token, self._versions = int.from_bytes(os.urandom(8), "little"), {}
-        # DCP fills the keys a partial full state dict lacks with the parameters themselves: a copy
-        # onto itself writes nothing, though the version moves
-        incoming = {_memory_of(v) for v in state_dict.values() if isinstance(v, torch.Tensor)}
         for p in self._watched(module)[1]:
             p.__dict__.setdefault(_LOADING, {})[self._key] = self._token
-            self._versions[id(p)] = None if _memory_of(p) in incoming - {None} else p._version
+            self._versions[id(p)] = p._version
 
     def __call__(self, module, incompatible_keys):
         owner, params = self._watched(module)
         written = set()
         for p in params:
             marks = p.__dict__.get(_LOADING, {})
-            version = self._versions.get(id(p), p._version)
-            if marks.get(self._key) != self._token or (version is not None and version != p._version):
+            if marks.get(self._key) != self._token or self._versions.get(id(p)) != p._version:
                 written.add(id(p))
             marks.pop(self._key, None)
             if not marks:

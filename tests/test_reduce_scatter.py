@@ -863,30 +863,18 @@ def fsdp_partial_loads(rank, size):
     comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for m in (model, model.layers[0])]
     checkpoint = {k: v.detach().clone() for k, v in model.state_dict().items()}
     kept = []
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-    full = {k: v.detach().clone() for k, v in get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True)).items()}
     for keys, assign in [("layers.0.", True), ("nothing", True), ("bad shape", True), ("late.", True),
-                         ("layers.0.", False), ("late.", False), ("layers.0.", True), ("itself", False),
-                         ("DCP, full, layers.0.", False)]:
+                         ("layers.0.", False), ("late.", False), ("layers.0.", True)]:
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank))
         F.mse_loss(model(x), torch.sin(x[:, :1])).backward()  # a residual each
         model.zero_grad()
-        if not keys.startswith("DCP"):  # whose state dict of the model then holds unsharded tensors
-            with torch.no_grad():  # leaves the root's parameters unsharded, until a load or forward reshards them
-                model(x)
+        with torch.no_grad():  # leaves the root's parameters unsharded, until a load or forward reshards them
+            model(x)
         if keys == "bad shape":
             with pytest.raises(RuntimeError, match="size mismatch"):
                 model.load_state_dict({"late.weight": torch.zeros(3)}, strict=False, assign=True)
-        elif keys == "itself":  # every parameter copied onto itself: nothing written
-            model.load_state_dict(model.state_dict())
-        elif keys.startswith("DCP"):  # which fills the keys it lacks with the parameters themselves
-            set_model_state_dict(model, {k: v for k, v in full.items() if k.startswith("layers.0.")},
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
         else:
-            # copies: a tensor assigned becomes the parameter, and a copy from it writes nothing
-            model.load_state_dict({k: v.clone() for k, v in checkpoint.items() if k.startswith(keys)}, strict=False,
+            model.load_state_dict({k: v for k, v in checkpoint.items() if k.startswith(keys)}, strict=False,
                                   assign=assign)
         kept.append([len(c._residuals) for c in comms])
     assert not any("_gradsync_loading" in p.__dict__ for p in model.parameters())
@@ -895,11 +883,10 @@ def fsdp_partial_loads(rank, size):
 
 def test_fsdp2_a_load_restarts_the_residuals_of_the_modules_whose_parameters_it_writes(worlds):
     """A load of the first layer's parameters restarts its module's residuals, not the root's; one of
-    the root's `late` restarts the root's alone; one that writes nothing (no key, a size mismatch,
-    every parameter copied onto itself) none; with assign=True (new parameters) and in place; and
-    DCP's load of a partial full state dict restarts the first layer's alone."""
+    the root's `late` restarts the root's alone; one that writes nothing (no key, or a size
+    mismatch) none; with assign=True (new parameters) and in place."""
     skip_without_fsdp2_error_feedback()
-    expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1], [1, 0], [1, 1], [1, 0]]
+    expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1], [1, 0]]
     assert worlds(2).run(fsdp_partial_loads) == [expected, expected]
 
 
