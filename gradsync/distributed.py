@@ -159,8 +159,8 @@ class _ForgetResidualsOnLoad:
         owner = self._owner() if self._owner is not None else None
         if owner is None:
             return None, []
-        named = getattr(owner, "_watched_parameters", None)
-        return owner, list(named(module) if named is not None else module.parameters())
+        watched = getattr(owner, "_watched_parameters", None)
+        return owner, list(watched(module) if watched is not None else module.parameters())
 
     def before(self, module, *args):  # before its own and its submodules' load
         # A mark in each parameter's __dict__, which a tensor put in its place lacks: ids are taken

@@ -358,11 +358,11 @@ class HierarchicalState(GradSyncState):
     both groups, which are checked (collectively too, over the groups themselves: groups that
     differ between their ranks wait for their timeout): every rank of a cross group must hold the
     same place in a node of the same size, and every rank of a node see as many nodes; a
-    ``local_size`` given with them must be the node's size. ``codec`` (default fp8 e4m3) and ``error_feedback`` apply to the
-    all-reduce across nodes; the residual then has the shard's size, 1/``local_size`` of the
-    bucket's (and starts from zeros again when DDP rebuilds its buckets after the first step).
-    Unlike a :class:`GradSyncState` it cannot be saved (pickling raises
-    TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
+    ``local_size`` given with them must be the node's size. ``codec`` (default fp8 e4m3) and
+    ``error_feedback`` apply to the all-reduce across nodes; the residual then has the shard's
+    size, 1/``local_size`` of the bucket's (and starts from zeros again when DDP rebuilds its
+    buckets after the first step). Unlike a :class:`GradSyncState` it cannot be saved (pickling
+    raises TypeError): both of its groups are process groups; make a new one after loading a checkpoint.
     ``copy.deepcopy`` (of a DDP model that uses it, say) shares the groups. The groups it makes live
     until ``destroy_process_group``, as ``new_group``'s do: to make states again in one process,
     pass the first one's groups (or destroy them).
@@ -427,7 +427,8 @@ def _node_groups(local_size, check_arguments=lambda: None):
     except (TypeError, ValueError) as error:
         refused = error
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, (size, shown, None if refused is None else (type(refused) is TypeError, str(refused))))
+    why = None if refused is None else (type(refused) is TypeError, str(refused))
+    dist.all_gather_object(values, (size, shown, why))
     if refused is not None:
         raise refused
     for peer, (_, _, why) in enumerate(values):

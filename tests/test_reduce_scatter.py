@@ -845,6 +845,19 @@ def test_fsdp2_error_feedback_restarts_from_zeros_when_a_checkpoint_is_loaded(wo
             assert torch.equal(params, fresh), (how, (params - fresh).abs().max())
 
 
+class MlpWithLateAndSpare(Mlp):
+    """Mlp whose root also holds `late`, used in a step's last micro-batch alone (or, scaled by
+    `late_scale`, in every one), and `spare`, used in none."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.spare = torch.nn.Linear(16, 1), torch.nn.Linear(16, 5)
+
+    def forward(self, x, late_scale=1.0):
+        out = super().forward(x)
+        return out if late_scale is None else out + late_scale * self.late(x)
+
+
 def fsdp_partial_loads(rank, size):
     """How many residuals the root's and the first layer's reduce-scatters keep after each load (made
     after a forward without gradients), and whether a mark of gradsync's is left on a parameter."""
@@ -888,19 +901,6 @@ def test_fsdp2_a_load_restarts_the_residuals_of_the_modules_whose_parameters_it_
     skip_without_fsdp2_error_feedback()
     expected = [[1, 0], [1, 1], [1, 1], [0, 1], [1, 0], [0, 1], [1, 0]]
     assert worlds(2).run(fsdp_partial_loads) == [expected, expected]
-
-
-class MlpWithLateAndSpare(Mlp):
-    """Mlp whose root also holds `late`, used in a step's last micro-batch alone (or, scaled by
-    `late_scale`, in every one), and `spare`, used in none."""
-
-    def __init__(self):
-        super().__init__()
-        self.late, self.spare = torch.nn.Linear(16, 1), torch.nn.Linear(16, 5)
-
-    def forward(self, x, late_scale=1.0):
-        out = super().forward(x)
-        return out if late_scale is None else out + late_scale * self.late(x)
 
 
 def fsdp_accumulating(rank, size):
