@@ -78,6 +78,25 @@ def test_the_kernel_benchmark_measures_every_op_of_a_case(tmp_path):
         [1, 9, 9, 10, 18, 27]
 
 
+def slowest_of_two(rank, size):
+    """bench_allreduce's statistics of made-up calls: rank 0 steady at 2 ms; rank 1 at 1 ms with two
+    of ten calls at 10 ms."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_allreduce
+    finally:
+        sys.path.remove(BENCH)
+    samples = [0.002] * 10 if rank == 0 else [0.001] * 8 + [0.010] * 2
+    return bench_allreduce.slowest_stats_ms(samples, torch.device("cpu"), None)
+
+
+def test_the_all_reduce_benchmark_reports_every_statistic_of_one_rank(worlds):
+    """The slowest rank is the one of the highest interquartile mean, and its median, 90th
+    percentile and share of slow calls are reported with it, not each the highest of any rank."""
+    expected = pytest.approx((2.0, 2.0, 2.0, 0.0))
+    assert worlds(2).run(slowest_of_two) == [expected, expected]
+
+
 def test_the_training_benchmark_times_every_mode_on_two_ranks(tmp_path):
     table, report = run_ranks(2, "bench_ddp.py", ["--params", "2e5", "--layers", "4", "--batch", "4", "--steps", "2"],
                               tmp_path)
