@@ -387,8 +387,9 @@ def host_network_cost(loopback, kernels, cores=EMULATED_CORES):
 
 
 def latency_hops(n, impl):
-    """Hop latencies on one all-reduce's ring: 2(n-1), plus the agreement check's for gradsync."""
-    if impl == TORCH:
+    """Hop latencies on one all-reduce's ring: 2(n-1), plus the agreement check's for gradsync's
+    checked calls."""
+    if impl in (TORCH, UNCHECKED_FP16):
         return 2 * (n - 1)
     return 2 * (n - 1) + (1 if n <= DIRECT_EXCHANGE_RANKS else n - 1)
 

@@ -626,3 +626,13 @@ def test_predictions_on_another_machine(netem_json, outside):
     misses = [r for r in rows if abs(r["error"]) > 0.25]
     assert len(misses) == outside and all(r["bytes"] <= 64 << 10 for r in misses), model.validation_table(misses)
     assert all(abs(r["error"]) <= 0.12 for r in rows if r["bytes"] >= 4 << 20), model.validation_table(rows)
+
+
+def test_an_unchecked_call_on_the_ring_has_no_agreement_check_hops():
+    """4 ranks: a ring of 6 hops; the checked call adds the check's (one exchange, at most
+    DIRECT_EXCHANGE_RANKS ranks), the unchecked one does not."""
+    rows = [{"bytes": 4096, "impl": model.UNCHECKED_FP16, "time_ms": 6.0},
+            {"bytes": 4096, "impl": model.RING_FP16, "time_ms": 14.0}]
+    latencies = model.measured_latencies({"meta": {"ranks": 4, "direct_bytes": 0}, "rows": rows})
+    assert model.latency_hops(4, model.UNCHECKED_FP16) == 6 and model.latency_hops(4, model.RING_FP16) == 7
+    assert latencies["gradsync"] == pytest.approx(1.5e-3)  # the median of 1 ms and 2 ms per hop
