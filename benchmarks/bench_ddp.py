@@ -66,6 +66,20 @@ class Timeline:
 TIMELINE = Timeline(hooks.fp16_compress_hook)
 
 
+def overlap_hidden(compute, comm, hook):
+    """The share of the shorter of compute and communication that the hook's step hid behind the other
+    (at most 1), and its words. Measured apart, a part can come out longer than the whole step (noise,
+    contention): that says all of it was hidden, and by how much the measurement disagrees."""
+    hidden = (compute + comm - hook) / min(compute, comm)
+    if hidden < 0:
+        return hidden, f"nothing hidden: {_ms(hook - compute - comm)} ms more than the two apart"
+    if hook < max(compute, comm):
+        longer = "communication" if comm > compute else "compute"
+        return 1.0, (f"all of the shorter one hidden; the step is {_ms(max(compute, comm) - hook)} ms shorter than "
+                     f"{longer} alone, which was measured apart (noise or contention)")
+    return hidden, f"{100 * hidden:.0f}% of the shorter one hidden"
+
+
 def overlap(model, step, timeline):
     """(buckets done before the last one was issued, their count, ms of communication inside backward)."""
     timeline.events.clear()
@@ -196,9 +210,7 @@ def main():
         common.print_table(title, rows, COLUMNS)
         compute, comm = medians["compute only (no_sync)"], medians["communication only (gradsync fp16)"]
         hook = medians["gradsync fp16 hook"]
-        hidden = (compute + comm - hook) / min(compute, comm)
-        hidden_text = f"{100 * hidden:.0f}% of the shorter one hidden" if hidden >= 0 else \
-            f"nothing hidden: {_ms(hook - compute - comm)} ms more than the two apart"
+        hidden, hidden_text = overlap_hidden(compute, comm, hook)
         print(f"compute {_ms(compute)} ms + communication {_ms(comm)} ms = {_ms(compute + comm)} ms; gradsync fp16 "
               f"hook step {_ms(hook)} ms ({hidden_text})")
         print(f"overlap timeline (gradsync fp16 hook): {timeline[0]} of {timeline[1]} buckets finished their "

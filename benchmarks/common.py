@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from gradsync.demo import plot_path_problem
+from gradsync.demo import plot_path_problem, unwritable_folder_problem
 
 
 @dataclass
@@ -125,6 +125,7 @@ def check_output_folders(parser, args, *options, prefix=False):
         if folder and not os.path.isdir(folder):
             parser.error(f"{option} {path}: the folder {folder} does not exist")
         problem = plot_path_problem(path) if path and option == "--plot" else None
+        problem = problem or (unwritable_folder_problem(folder) if folder else None)
         if problem:
             parser.error(f"{option} {path}: {problem}")
 

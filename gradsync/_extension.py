@@ -5,20 +5,22 @@ undefined-symbol trace, so the mismatch is reported in terms a user can act on i
 """
 import importlib
 import os
+import re
+import sys
 
 import torch
 
 
-def rebuild_hint(package_dir):
-    """What rebuilds the gradsync at ``package_dir`` for the running torch."""
+def rebuild_hint(package_dir, for_torch=True):
+    """What rebuilds the gradsync at ``package_dir`` (for the running torch)."""
     root = os.path.dirname(package_dir)
     if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc")):
         # a source folder's own build (pip install -e) comes first on the path there, whatever is installed
         return (f"this is the build inside the source folder {root}, which shadows any installed gradsync there: "
                 f"rebuild it with pip install --no-build-isolation --no-deps -e {root}, or import gradsync from "
                 "another folder")
-    return ("reinstall it against the running torch: pip install --no-build-isolation --no-deps --force-reinstall "
-            "--no-cache-dir gradsync (or . in its source folder; pip's cache may hold a wheel built for another "
+    return (f"reinstall it{' against the running torch' if for_torch else ''}: pip install --no-build-isolation "
+            "--no-deps --force-reinstall --no-cache-dir gradsync (or . in its source folder; pip's cache may hold a wheel built for another "
             "torch)")
 
 
@@ -37,12 +39,54 @@ def incompatibility(built_torch, built_cuda, running_torch, running_cuda):
     return None
 
 
-def load():
+def load_failure(error, build_info, package_dir):
+    """What to tell a user whose gradsync._C, built for the running torch, failed to import with ``error``."""
+    text = str(error)
+    where = f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version})"
+    if "gradsync._C" in text and isinstance(error, ModuleNotFoundError):
+        return (f"{where} has no compiled module gradsync._C beside its build record: the build or install was "
+                f"interrupted; {rebuild_hint(package_dir, for_torch=False)}")
+    if "undefined symbol" in text:  # the ABI of another torch build of the same version
+        return (f"{where} failed to load under torch {torch.__version__}: {text}; it was compiled against another "
+                f"build of that torch: {rebuild_hint(package_dir)}")
+    missing = re.search(r"(lib[\w.+-]*\.so[\w.]*): cannot open shared object file", text)
+    if missing and missing.group(1).startswith("libnccl"):
+        major = (build_info.cuda_version or "13").split(".")[0]
+        return (f"{where} failed to load: {text}; this CUDA build runs the NCCL torch loads, from the nvidia-nccl "
+                f"package beside torch (pip install nvidia-nccl-cu{major}) or a libnccl.so.2 on LD_LIBRARY_PATH")
+    if missing:
+        return (f"{where} failed to load: {text}; a library it links is not on the loader's path (LD_LIBRARY_PATH), "
+                f"or install it; else {rebuild_hint(package_dir, for_torch=False)}")
+    return f"{where} failed to load: {text}; {rebuild_hint(package_dir, for_torch=False)}"
+
+
+def read_build_info():
+    """gradsync._build_info, the record setup.py writes of what this gradsync was built for."""
     try:
         build_info = importlib.import_module("gradsync._build_info")
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "gradsync._build_info":
+            raise
         raise ImportError("gradsync is not built: install it with pip install --no-build-isolation . "
                           "(or import it from outside its source folder)") from None
+    except Exception as e:  # a file damaged on disk or by hand is a reinstall, not a traceback into it
+        raise _damaged(e) from e
+    kinds = {"version": str, "flavour": str, "torch_version": str, "cuda_version": (str, type(None)),
+             "cuda_arch_list": (str, type(None))}
+    for name, kind in kinds.items():
+        if not isinstance(getattr(build_info, name, None), kind):
+            raise _damaged(f"{name} is {getattr(build_info, name, 'missing')!r}")
+    return build_info
+
+
+def _damaged(why):
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    return ImportError(f"gradsync's build record {os.path.join(package_dir, '_build_info.py')} is damaged ({why}); "
+                       f"{rebuild_hint(package_dir, for_torch=False)}")
+
+
+def load():
+    build_info = read_build_info()
     package_dir = os.path.dirname(os.path.abspath(__file__))  # its _build_info and _C beside it
     reason = incompatibility(build_info.torch_version, build_info.cuda_version, torch.__version__, torch.version.cuda)
     if reason:
@@ -51,6 +95,11 @@ def load():
     try:
         return build_info, importlib.import_module("gradsync._C")
     except ImportError as e:
-        raise ImportError(f"gradsync {build_info.version} at {package_dir} (built for torch "
-                          f"{build_info.torch_version}) failed to load under torch {torch.__version__}: {e}; "
-                          f"{rebuild_hint(package_dir)}") from e
+        raise ImportError(load_failure(e, build_info, package_dir)) from e
+
+
+def diagnosing():
+    """Whether this process is ``python -m gradsync.report``, which must run when the extension cannot load."""
+    # runpy imports the package while it looks for the module, with sys.argv[0] set to "-m" until then
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(a == "-m" and b == "gradsync.report" for a, b in zip(argv, argv[1:]))

@@ -198,6 +198,16 @@ def plot_path_problem(path):
     return None
 
 
+def unwritable_folder_problem(folder):
+    """Why no file can be written in `folder`, or None; tried, not read from permission bits (root passes
+    those, and a read-only or pseudo file system does not show in them)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return f"cannot write in the folder {folder} ({e.strerror or e})"
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m gradsync.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,7 +229,7 @@ def parse(argv):
     folder = os.path.dirname(os.path.abspath(args.plot))
     if not os.path.isdir(folder):  # refused now, not after the training
         p.error(f"--plot {args.plot}: the folder {folder} does not exist")
-    problem = plot_path_problem(args.plot)
+    problem = plot_path_problem(args.plot) or unwritable_folder_problem(folder)
     if problem:
         p.error(f"--plot {args.plot}: {problem}")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node
@@ -231,7 +241,7 @@ def parse(argv):
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
-        p.error(f"unknown mode(s) {unknown}; choose from: {', '.join(MODES)}")
+        p.error(f"{f'unknown mode(s) {unknown}' if unknown else 'no mode given'}; choose from: {', '.join(MODES)}")
     return args
 
 

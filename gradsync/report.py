@@ -1,11 +1,11 @@
 """python -m gradsync.report: what this gradsync was built with and what it runs on."""
 import argparse
 import platform
+import sys
 
 import torch
 
 import gradsync
-from gradsync import _build_info, _C
 
 
 def gpus():
@@ -19,6 +19,10 @@ def gpus():
 
 
 def report():
+    """The report's text; the compiled module's facts read "unknown" where it could not be loaded."""
+    _build_info, _C = gradsync._build_info, gradsync._C
+    if _C is None:
+        return unloaded_report(_build_info)
     info = _C.build_info()
     cuda = info["cuda"]
     rows = [
@@ -31,7 +35,24 @@ def report():
         ("CPU kernels", f"{_C.cpu_isa()} on {platform.machine()}, {_C.cpu_kernel_threads()} threads"),
         ("fp8 block size", str(info["fp8_block_size"])),
     ]
+    return table(rows + [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())])
+
+
+def unloaded_report(build_info):
+    rows = [("gradsync", gradsync.__version__)]
+    if build_info is not None:
+        cuda = build_info.cuda_version
+        rows += [("build flavour", build_info.flavour),
+                 ("CUDA compiled for", f"{cuda} (arch list {build_info.cuda_arch_list})" if cuda else "none (CPU build)"),
+                 ("NCCL linked", "unknown: the extension did not load" if cuda else "none (CPU build)"),
+                 ("torch built against", build_info.torch_version)]
+    rows += [("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda
+              else torch.__version__)]
     rows += [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())]
+    return table(rows + [("extension", f"NOT LOADED: {gradsync._load_error}")])
+
+
+def table(rows):
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -39,3 +60,4 @@ def report():
 if __name__ == "__main__":
     argparse.ArgumentParser(prog="python -m gradsync.report", description=__doc__.partition(": ")[2]).parse_args()
     print(report())
+    sys.exit(1 if gradsync._C is None else 0)

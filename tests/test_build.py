@@ -3,6 +3,8 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,13 @@ from gradsync import _build_info, _extension
 
 def run_python(code, cwd):
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def run_without_site(args, cwd):
+    """``python -S args`` with site-packages on the path but none of its .pth hooks (an editable install's
+    finder would supply the missing modules of a package copy from the source folder)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(site.getsitepackages()))
+    return subprocess.run([sys.executable, "-S", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_version_carries_the_build_flavour():
@@ -94,6 +103,7 @@ def test_import_under_another_torch_names_the_torch_it_needs(tmp_path):
         "import sys, types, gradsync._extension as e\n"
         "fake = types.ModuleType('gradsync._build_info')\n"
         "fake.version = '0.1.0+cu130torch9.9'; fake.torch_version = '9.9.0+cu130'; fake.cuda_version = '13.0'\n"
+        "fake.flavour = 'cu130'; fake.cuda_arch_list = '8.0;9.0'\n"
         "sys.modules['gradsync._build_info'] = fake\n"
         "try:\n"
         "    e.load()\n"
@@ -175,3 +185,73 @@ def test_tests_use_the_installed_package():
     source_tree = Path(__file__).resolve().parents[1] / "gradsync"
     assert (Path(gradsync.__file__).resolve().parent == source_tree) == editable, (gradsync.__file__, editable)
     assert os.path.exists(gradsync._C.__file__)
+
+
+def package_copy(tmp_path, build_info=None, without_c=False):
+    """A copy of the installed gradsync under tmp_path (first on the path of a process run there)."""
+    copy = tmp_path / "gradsync"
+    shutil.copytree(os.path.dirname(gradsync.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    if build_info is not None:
+        (copy / "_build_info.py").write_text(build_info)
+    if without_c:
+        for c in copy.glob("_C.*"):
+            c.unlink()
+    return copy
+
+
+def record(torch_version=_build_info.torch_version, cuda_version=_build_info.cuda_version):
+    return (f"version = '0.1.0+test'\nfrom_sdist = False\nflavour = {_build_info.flavour!r}\n"
+            f"torch_version = {torch_version!r}\ncuda_version = {cuda_version!r}\n"
+            f"cuda_arch_list = {_build_info.cuda_arch_list!r}\n")
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("version = '0.1.0'\ntorch_version = '2.13.0+cpu\n", "SyntaxError"),
+    ("version = '0.1.0'\n", "flavour is 'missing'"),
+    (record().replace(f"torch_version = {_build_info.torch_version!r}", "torch_version = None"), "torch_version is None"),
+])
+def test_a_damaged_build_record_is_an_import_error_that_says_so(tmp_path, damage, why):
+    copy = package_copy(tmp_path, build_info=damage)
+    result = run_python("import gradsync", tmp_path)
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"ImportError: gradsync's build record {copy / '_build_info.py'} is damaged"), result.stderr
+    assert why in result.stderr and "reinstall it:" in result.stderr
+
+
+def test_the_advice_for_a_compiled_module_that_fails_to_load_names_its_cause(tmp_path):
+    package_dir = str(tmp_path / "site-packages" / "gradsync")
+
+    def advice(error):
+        return _extension.load_failure(error, _build_info, package_dir)
+
+    missing = ModuleNotFoundError("No module named 'gradsync._C'", name="gradsync._C")
+    assert "has no compiled module gradsync._C" in advice(missing)
+    symbol = ImportError("_C.so: undefined symbol: _ZN3c106detail14torchCheckFailEPKcS2_jRKSs")
+    assert "compiled against another build of that torch" in advice(symbol)
+    assert "reinstall it against the running torch" in advice(symbol)
+    nccl = ImportError("libnccl.so.2: cannot open shared object file: No such file or directory")
+    assert "nvidia-nccl-cu" in advice(nccl) and "LD_LIBRARY_PATH" in advice(nccl)
+    cudart = ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
+    assert "a library it links is not on the loader's path" in advice(cudart)
+    for error in (missing, nccl, cudart, ImportError("_C.so: file too short")):  # torch is not the cause
+        assert "against the running torch" not in advice(error)
+        assert ("reinstall it:" in advice(error)) == (error is not nccl)
+        assert f"at {package_dir} (built for torch {_build_info.torch_version})" in advice(error)
+
+
+def test_the_report_runs_when_the_extension_cannot_load(tmp_path):
+    package_copy(tmp_path, build_info=record(torch_version="9.9.0+cpu"))
+    result = run_python("import gradsync", tmp_path)  # an import still fails
+    assert "ImportError: gradsync 0.1.0+test" in result.stderr and "built for torch 9.9.0+cpu" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "gradsync.report"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines() if line[:1] != " ")
+    assert rows["gradsync"] == "0.1.0+test" and rows["torch built against"] == "9.9.0+cpu"
+    assert rows["torch running"].startswith(torch.__version__) and "GPUs" in rows
+    assert rows["extension"].startswith("NOT LOADED:") and "built for torch 9.9.0+cpu" in rows["extension"]
+
+    shutil.rmtree(tmp_path / "gradsync")
+    package_copy(tmp_path, without_c=True)
+    result = run_without_site(["-m", "gradsync.report"], tmp_path)
+    assert result.returncode == 1 and "has no compiled module gradsync._C" in result.stdout, result.stdout

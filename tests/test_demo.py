@@ -38,7 +38,10 @@ def test_demo_runs_every_mode_and_saves_the_plot(tmp_path):
 def test_demo_refuses_bad_arguments_before_it_trains(tmp_path):
     cases = [(["--lr", "nan"], "--lr must be a positive number, got nan"),
              (["--lr=-1e-3"], "--lr must be a positive number, got -0.001"),
-             (["--plot", "missing/demo.png"], "--plot missing/demo.png: the folder")]
+             (["--plot", "missing/demo.png"], "--plot missing/demo.png: the folder"),
+             (["--plot", "/proc/demo.png"], "--plot /proc/demo.png: cannot write in the folder /proc"),
+             (["--modes", "fp32 DDP,bogus"], "unknown mode(s) ['bogus']; choose from"),
+             (["--modes", " , "], "no mode given; choose from")]
     if importlib.util.find_spec("matplotlib"):  # without it nothing is plotted
         # matplotlib would refuse these, or write elsewhere, only after the training
         cases += [(["--plot", "losses.txt"], "--plot losses.txt: give an image file name ending in"),
