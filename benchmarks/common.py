@@ -124,8 +124,8 @@ def check_output_folders(parser, args, *options, prefix=False):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             parser.error(f"{option} {path}: the folder {folder} does not exist")
-        problem = plot_path_problem(path) if path and option == "--plot" else None
-        problem = problem or (unwritable_folder_problem(folder) if folder else None)
+        problem = None if not path else plot_path_problem(path) if option == "--plot" else \
+            unwritable_folder_problem(folder)
         if problem:
             parser.error(f"{option} {path}: {problem}")
 

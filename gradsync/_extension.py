@@ -3,6 +3,7 @@
 A C++ extension is bound to the torch it was compiled against; under another torch it fails with an
 undefined-symbol trace, so the mismatch is reported in terms a user can act on instead.
 """
+import glob
 import importlib
 import os
 import re
@@ -44,11 +45,24 @@ def load_failure(error, build_info, package_dir):
     text = str(error)
     where = f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version})"
     if "gradsync._C" in text and isinstance(error, ModuleNotFoundError):
+        others = [os.path.basename(f) for f in glob.glob(os.path.join(package_dir, "_C.*"))]
+        if others:
+            return (f"{where} has no compiled module for Python {sys.version_info.major}.{sys.version_info.minor}, "
+                    f"only {', '.join(others)}: it was built for another Python; "
+                    f"{rebuild_hint(package_dir, for_torch=False)}")
         return (f"{where} has no compiled module gradsync._C beside its build record: the build or install was "
                 f"interrupted; {rebuild_hint(package_dir, for_torch=False)}")
-    if "undefined symbol" in text:  # the ABI of another torch build of the same version
+    symbol = re.search(r"undefined symbol: (\S+)", text)
+    if symbol and symbol.group(1).startswith("nccl"):
+        return (f"{where} failed to load: {text}; the libnccl.so.2 this process loaded is older than the NCCL it "
+                "was compiled against: take out of LD_LIBRARY_PATH an NCCL other than the nvidia-nccl package "
+                "torch depends on")
+    if symbol and symbol.group(1).startswith("_Z"):  # a C++ symbol: the ABI of another torch build of that version
         return (f"{where} failed to load under torch {torch.__version__}: {text}; it was compiled against another "
                 f"build of that torch: {rebuild_hint(package_dir)}")
+    if symbol:
+        return (f"{where} failed to load: {text}; a library it links (such as the CUDA runtime) is older than the "
+                f"one it was compiled against: update that library, or {rebuild_hint(package_dir, for_torch=False)}")
     missing = re.search(r"(lib[\w.+-]*\.so[\w.]*): cannot open shared object file", text)
     if missing and missing.group(1).startswith("libnccl"):
         major = (build_info.cuda_version or "13").split(".")[0]
@@ -99,7 +113,12 @@ def load():
 
 
 def diagnosing():
-    """Whether this process is ``python -m gradsync.report``, which must run when the extension cannot load."""
-    # runpy imports the package while it looks for the module, with sys.argv[0] set to "-m" until then
-    argv = getattr(sys, "orig_argv", [])
-    return sys.argv[:1] == ["-m"] and any(a == "-m" and b == "gradsync.report" for a, b in zip(argv, argv[1:]))
+    """Whether gradsync is being imported so that runpy can run gradsync.report as a script
+    (``python -m gradsync.report``, also under pdb or cProfile), which must run when the extension cannot load."""
+    # runpy imports a module's packages while it looks for the module: its innermost frame names that module
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "runpy" and "mod_name" in frame.f_code.co_varnames:
+            return frame.f_locals.get("mod_name") == "gradsync.report"
+        frame = frame.f_back
+    return False

@@ -185,8 +185,8 @@ def worker(rank, world, init_file, args):
 
 
 def plot_path_problem(path):
-    """Why matplotlib's savefig would fail on `path` or write elsewhere (it adds an extension to a
-    name without one), if it would; None without matplotlib, when no plot is drawn."""
+    """Why matplotlib's savefig would fail on `path` (in a folder that exists) or write elsewhere (it adds
+    an extension to a name without one), if it would; None without matplotlib, when no plot is drawn."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -195,7 +195,7 @@ def plot_path_problem(path):
     if path.endswith(("/", os.sep)) or os.path.isdir(path) or \
             os.path.splitext(path)[1].lower().lstrip(".") not in formats:
         return f"give an image file name ending in one of {', '.join('.' + f for f in sorted(formats))}"
-    return None
+    return unwritable_folder_problem(os.path.dirname(os.path.abspath(path)))
 
 
 def unwritable_folder_problem(folder):
@@ -229,7 +229,7 @@ def parse(argv):
     folder = os.path.dirname(os.path.abspath(args.plot))
     if not os.path.isdir(folder):  # refused now, not after the training
         p.error(f"--plot {args.plot}: the folder {folder} does not exist")
-    problem = plot_path_problem(args.plot) or unwritable_folder_problem(folder)
+    problem = plot_path_problem(args.plot)
     if problem:
         p.error(f"--plot {args.plot}: {problem}")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))  # on this node

@@ -233,23 +233,37 @@ def test_the_advice_for_a_compiled_module_that_fails_to_load_names_its_cause(tmp
     assert "nvidia-nccl-cu" in advice(nccl) and "LD_LIBRARY_PATH" in advice(nccl)
     cudart = ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
     assert "a library it links is not on the loader's path" in advice(cudart)
-    for error in (missing, nccl, cudart, ImportError("_C.so: file too short")):  # torch is not the cause
+    old_nccl = ImportError("_C.so: undefined symbol: ncclCommInitRankScalable")
+    assert "libnccl.so.2 this process loaded is older than the NCCL it was compiled against" in advice(old_nccl)
+    old_cudart = ImportError("_C.so: undefined symbol: cudaGetDriverEntryPointByVersion, version libcudart.so.13")
+    assert "(such as the CUDA runtime) is older than the one it was compiled against" in advice(old_cudart)
+    for error in (missing, nccl, cudart, old_nccl, old_cudart, ImportError("_C.so: file too short")):  # not torch
         assert "against the running torch" not in advice(error)
-        assert ("reinstall it:" in advice(error)) == (error is not nccl)
+        assert ("reinstall it:" in advice(error)) == (error not in (nccl, old_nccl))
         assert f"at {package_dir} (built for torch {_build_info.torch_version})" in advice(error)
+    os.makedirs(package_dir)  # a module for another Python beside it
+    open(os.path.join(package_dir, "_C.cpython-39-x86_64-linux-gnu.so"), "w").close()
+    assert (f"has no compiled module for Python {sys.version_info.major}.{sys.version_info.minor}, only "
+            "_C.cpython-39-x86_64-linux-gnu.so: it was built for another Python") in advice(missing)
 
 
 def test_the_report_runs_when_the_extension_cannot_load(tmp_path):
     package_copy(tmp_path, build_info=record(torch_version="9.9.0+cpu"))
-    result = run_python("import gradsync", tmp_path)  # an import still fails
-    assert "ImportError: gradsync 0.1.0+test" in result.stderr and "built for torch 9.9.0+cpu" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "gradsync.report"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 1, result.stderr
-    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines() if line[:1] != " ")
-    assert rows["gradsync"] == "0.1.0+test" and rows["torch built against"] == "9.9.0+cpu"
-    assert rows["torch running"].startswith(torch.__version__) and "GPUs" in rows
-    assert rows["extension"].startswith("NOT LOADED:") and "built for torch 9.9.0+cpu" in rows["extension"]
+    (tmp_path / "user").mkdir()  # a program run as python -m user, with arguments that look like the report's
+    (tmp_path / "user" / "__main__.py").write_text("import gradsync\n")
+    for args in (["-c", "import gradsync"], ["-m", "gradsync.demo", "--help"], ["-m", "user", "-m", "gradsync.report"]):
+        result = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert "ImportError: gradsync 0.1.0+test" in result.stderr, (args, result.stderr)  # an import still fails
+        assert "built for torch 9.9.0+cpu" in result.stderr
+    for args in (["-m", "gradsync.report"], ["-mgradsync.report"], ["-Bm", "gradsync.report"],
+                 ["-m", "cProfile", "-m", "gradsync.report"]):
+        result = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert result.returncode == (0 if "cProfile" in args else 1), (args, result.stderr)  # cProfile takes exits
+        rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines()
+                    if re.match(r"[a-zA-Z]\S*( \S+)*\s{2,}\S", line))
+        assert rows["gradsync"] == "0.1.0+test" and rows["torch built against"] == "9.9.0+cpu", (args, result.stdout)
+        assert rows["torch running"].startswith(torch.__version__) and "GPUs" in rows
+        assert rows["extension"].startswith("NOT LOADED:") and "built for torch 9.9.0+cpu" in rows["extension"]
 
     shutil.rmtree(tmp_path / "gradsync")
     package_copy(tmp_path, without_c=True)

@@ -58,3 +58,11 @@ def test_demo_help_says_what_it_compares(tmp_path):
                           timeout=120, cwd=tmp_path)  # the installed package, not the source tree
     assert done.returncode == 0 and "and gradsync.DataParallel, side by side" in done.stdout, done.stdout
     assert "torchrun --nproc-per-node 4 -m gradsync.demo" in done.stdout, done.stdout
+
+
+def test_without_matplotlib_no_plot_is_drawn_so_its_folder_is_not_checked(monkeypatch):
+    from gradsync.demo import plot_path_problem
+    assert plot_path_problem("/proc/demo.png") == "cannot write in the folder /proc (No such file or directory)" \
+        if importlib.util.find_spec("matplotlib") else plot_path_problem("/proc/demo.png") is None
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)  # its import fails
+    assert plot_path_problem("/proc/demo.png") is None and plot_path_problem("demo.txt") is None
