@@ -475,18 +475,36 @@ def test_a_compiled_data_parallel_sends_buckets_while_its_backward_runs(worlds):
     assert all(worlds(2).run(bucket_by_bucket))
 
 
+class TwoLayers(torch.nn.Module):
+    """A model of the user's own class: Dynamo skips the frames of torch's modules (nn.Sequential) once
+    DDP's forward, which it cannot trace whole, has broken the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
 def compiled_ddp_with_a_hook(rank, size):
     """torch.compile(DDP(net)) with gradsync's fp8 hook and error feedback: DDP's reducer calls the
     hook as it does uncompiled, with the same bits."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+    graphs = []
+
+    def counting_aot_eager(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     states = []
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        net = TwoLayers()
         model = DDP(net)
         model.register_comm_hook(gradsync.hooks.GradSyncState(error_feedback=True), gradsync.hooks.fp8_compress_hook)
-        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run = torch.compile(model, backend=counting_aot_eager) if compiled else model
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)
         for _ in range(3):
@@ -494,6 +512,7 @@ def compiled_ddp_with_a_hook(rank, size):
             opt.step()
             opt.zero_grad()
         states.append([p.detach().clone() for p in net.parameters()])
+    assert graphs, "nothing was compiled"
     assert all(same_bits(a, b) for a, b in zip(*states))
     return True
 
