@@ -16,6 +16,11 @@ except ImportError as error:
         _build_info = _extension.read_build_info()
     except ImportError:
         pass
+
+    def __getattr__(name):  # the API of a gradsync that did not load: the reason, not "no attribute"
+        if name.startswith("__"):  # what introspection probes for (hasattr) stays an AttributeError
+            raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+        raise ImportError(f"gradsync.{name}: {_load_error}")
 __version__ = _build_info.version if _build_info else "unknown"
 
 if _C is not None:

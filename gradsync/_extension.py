@@ -6,6 +6,7 @@ undefined-symbol trace, so the mismatch is reported in terms a user can act on i
 import glob
 import importlib
 import os
+import platform
 import re
 import sys
 
@@ -45,24 +46,25 @@ def load_failure(error, build_info, package_dir):
     text = str(error)
     where = f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version})"
     if "gradsync._C" in text and isinstance(error, ModuleNotFoundError):
-        others = [os.path.basename(f) for f in glob.glob(os.path.join(package_dir, "_C.*"))]
+        others = [os.path.basename(f) for f in glob.glob(os.path.join(package_dir, "_C.*"))
+                  if f.endswith((".so", ".pyd"))]
         if others:
-            return (f"{where} has no compiled module for Python {sys.version_info.major}.{sys.version_info.minor}, "
-                    f"only {', '.join(others)}: it was built for another Python; "
-                    f"{rebuild_hint(package_dir, for_torch=False)}")
+            return (f"{where} has no compiled module that this Python ({sys.implementation.cache_tag} on "
+                    f"{platform.machine()}) can load, only {', '.join(others)}: it was built for another Python or "
+                    f"machine; {rebuild_hint(package_dir, for_torch=False)}")
         return (f"{where} has no compiled module gradsync._C beside its build record: the build or install was "
                 f"interrupted; {rebuild_hint(package_dir, for_torch=False)}")
     symbol = re.search(r"undefined symbol: (\S+)", text)
     if symbol and symbol.group(1).startswith("nccl"):
         return (f"{where} failed to load: {text}; the libnccl.so.2 this process loaded is older than the NCCL it "
                 "was compiled against: take out of LD_LIBRARY_PATH an NCCL other than the nvidia-nccl package "
-                "torch depends on")
+                f"torch depends on, or {rebuild_hint(package_dir, for_torch=False)}")
     if symbol and symbol.group(1).startswith("_Z"):  # a C++ symbol: the ABI of another torch build of that version
         return (f"{where} failed to load under torch {torch.__version__}: {text}; it was compiled against another "
                 f"build of that torch: {rebuild_hint(package_dir)}")
     if symbol:
-        return (f"{where} failed to load: {text}; a library it links (such as the CUDA runtime) is older than the "
-                f"one it was compiled against: update that library, or {rebuild_hint(package_dir, for_torch=False)}")
+        return (f"{where} failed to load: {text}; a library it links is older than the one it was compiled "
+                f"against: update that library, or {rebuild_hint(package_dir, for_torch=False)}")
     missing = re.search(r"(lib[\w.+-]*\.so[\w.]*): cannot open shared object file", text)
     if missing and missing.group(1).startswith("libnccl"):
         major = (build_info.cuda_version or "13").split(".")[0]

@@ -2,6 +2,7 @@
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import shutil
 import site
@@ -236,15 +237,15 @@ def test_the_advice_for_a_compiled_module_that_fails_to_load_names_its_cause(tmp
     old_nccl = ImportError("_C.so: undefined symbol: ncclCommInitRankScalable")
     assert "libnccl.so.2 this process loaded is older than the NCCL it was compiled against" in advice(old_nccl)
     old_cudart = ImportError("_C.so: undefined symbol: cudaGetDriverEntryPointByVersion, version libcudart.so.13")
-    assert "(such as the CUDA runtime) is older than the one it was compiled against" in advice(old_cudart)
+    assert "a library it links is older than the one it was compiled against" in advice(old_cudart)
     for error in (missing, nccl, cudart, old_nccl, old_cudart, ImportError("_C.so: file too short")):  # not torch
         assert "against the running torch" not in advice(error)
-        assert ("reinstall it:" in advice(error)) == (error not in (nccl, old_nccl))
+        assert ("reinstall it:" in advice(error)) == (error is not nccl)
         assert f"at {package_dir} (built for torch {_build_info.torch_version})" in advice(error)
     os.makedirs(package_dir)  # a module for another Python beside it
     open(os.path.join(package_dir, "_C.cpython-39-x86_64-linux-gnu.so"), "w").close()
-    assert (f"has no compiled module for Python {sys.version_info.major}.{sys.version_info.minor}, only "
-            "_C.cpython-39-x86_64-linux-gnu.so: it was built for another Python") in advice(missing)
+    assert (f"has no compiled module that this Python ({sys.implementation.cache_tag} on {platform.machine()}) "
+            "can load, only _C.cpython-39-x86_64-linux-gnu.so: it was built for another Python") in advice(missing)
 
 
 def test_the_report_runs_when_the_extension_cannot_load(tmp_path):
@@ -255,6 +256,12 @@ def test_the_report_runs_when_the_extension_cannot_load(tmp_path):
         result = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert "ImportError: gradsync 0.1.0+test" in result.stderr, (args, result.stderr)  # an import still fails
         assert "built for torch 9.9.0+cpu" in result.stderr
+    # run from a program: the report, and then the reason wherever the program reaches for the API
+    code = ("import runpy, sys\ntry:\n    runpy.run_module('gradsync.report', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('exit', e.code)\nfrom gradsync import DataParallel\n")
+    result = run_python(code, tmp_path)
+    assert "NOT LOADED:" in result.stdout and "exit 1" in result.stdout, result.stdout + result.stderr
+    assert "ImportError: gradsync.DataParallel: gradsync 0.1.0+test" in result.stderr, result.stderr
     for args in (["-m", "gradsync.report"], ["-mgradsync.report"], ["-Bm", "gradsync.report"],
                  ["-m", "cProfile", "-m", "gradsync.report"]):
         result = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
