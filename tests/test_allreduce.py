@@ -48,12 +48,13 @@ def error_ratio(result, inputs, codec, op, dtype_name, size, sums=None, prescale
     (sum, sum of magnitudes) of the inputs in fp64, when already computed; ``prescale``: the call's,
     when it gave one; ``encodes``: how many times a partial sum goes through the wire format (an
     all-reduce's ``size``, a reduce-scatter's ``size - 1``)."""
-    prescale, postscale = resolve_scales(op, size, prescale)
+    meaning = 1.0 / size if str(op).lower().endswith("avg") else 1.0  # a prescale changes the rounding only
+    prescale, postscale = resolve_scales(op, size, prescale)  # the split of that factor, which the bound follows
     encodes = size if encodes is None else encodes
     if sums is None:
         xs = torch.stack([x.double() for x in inputs])
         sums = xs.sum(0), xs.abs().sum(0)
-    ref = postscale * prescale * sums[0]
+    ref = meaning * sums[0]
     s = abs(prescale) * sums[1]  # what the partial sums can reach
     wire = dtype_name if codec == "none" else codec
     wire_u = 0.0 if wire == "float32" else WIRE_U[wire]  # an fp32 wire carries fp32 sums unrounded
@@ -247,6 +248,7 @@ def direct_exchange_calls(rank, size):
         numel = 5003
         inputs = [rank_input(r, numel, dtype, seed=11) for r in range(size)]
         prescale, postscale = resolve_scales(op, size, given)
+        assert prescale * postscale == pytest.approx(1 / size if op == "avg" else 1.0, rel=1e-15), op
         total = None
         for x in inputs:
             term = gradsync.decompress(gradsync.compress(x, codec, scale=prescale), codec, numel)

@@ -294,3 +294,8 @@ def test_codec_roundtrip_property(n, codec, dtype, log_mag, scale, seed):
         tol = {torch.float32: 2e-7, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
         subnormal = 2.0**-23 / scale if dtype == torch.float16 else 0.0  # fp16 subnormal spacing, rescaled
         assert torch.allclose(decoded.double(), ref, rtol=tol, atol=1e-4 * 10.0**log_mag + subnormal)
+    else:  # a 16-bit wire of another dtype: torch's cast of x * scale in fp32, decoded times 1/scale in fp32
+        wire = (x.float() * scale).to({"fp16": torch.float16, "bf16": torch.bfloat16}[codec])
+        expected = wire.float() * (1 / scale)
+        assert torch.equal(decoded.isnan(), expected.isnan())
+        assert same_bits(decoded[~decoded.isnan()], expected[~expected.isnan()])

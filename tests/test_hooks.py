@@ -418,14 +418,17 @@ def hierarchical_one_node(rank, size):
     """One node of every rank: nothing crosses a node, so the codec rounds nothing, and an error
     feedback residual stays zero."""
     state = hooks.HierarchicalState(size)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(1001, generator=g) * torch.logspace(-6, 6, 1001)
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(r)) * torch.logspace(-6, 6, 1001)
+          for r in range(size)]
+    x = xs[rank]
     averages = []
     for codec in ("none", "fp8_e4m3", "fp16"):
         y, residual = x.clone(), torch.zeros(-(-x.numel() // size))
         hooks.hierarchical_average(y, state.local_group, state.cross_group, codec, residual=residual).wait()
         assert not residual.any(), codec
         averages.append(y)
+    reference = torch.stack(xs).double().mean(0)  # fp32 sums: a few roundings of 2^-24
+    assert torch.allclose(averages[0].double(), reference, rtol=size * 2.0**-23, atol=0), "not the average"
     return all(torch.equal(y, averages[0]) for y in averages)
 
 
@@ -1846,7 +1849,9 @@ def loaded_in_place(rank, size):
             x, y = batch(rank, 50 + step)
             F.mse_loss(model(x), y).backward()
             model.zero_grad()
+        assert all(b.residual.any() for b in model._buckets) == bool(warm_steps), "the residuals to forget"
         model.module.load_state_dict(checkpoint)
+        assert not any(b.residual.any() for b in model._buckets)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(3):
             x, y = batch(rank, step)
