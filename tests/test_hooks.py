@@ -278,12 +278,15 @@ def test_compressed_final_loss_is_within_the_codec_budget(worlds):
 def test_hierarchical_hook_trains_like_ddp_and_ranks_agree_bitwise(worlds):
     """Two nodes of two ranks: reduce-scatter in the node, gradsync across the nodes, all-gather;
     buckets whose numel the node's two ranks do not divide included (5313 parameters)."""
-    modes = ["ddp", "hier:none", "hier:fp16", "hier:fp8_e4m3+ef"]
+    modes = ["ddp", "hier:none", "hier:fp16", "hier:fp8_e4m3+ef", "hier:fp8_e4m3"]
     results = worlds(4).run(train_modes, modes, 20)
     check_ranks_agree(results)
     reference = results[0]["ddp"][1]
     for mode, tolerance in [("hier:none", 1e-6), ("hier:fp16", 2e-4), ("hier:fp8_e4m3+ef", 5e-3)]:
         assert relative(results[0][mode][1], reference) < tolerance, (mode, relative(results[0][mode][1], reference))
+    # error feedback through the hook lands nearer than without (fp8 alone is within 5e-3 too)
+    with_ef, without = (relative(results[0][mode][1], reference) for mode in ("hier:fp8_e4m3+ef", "hier:fp8_e4m3"))
+    assert with_ef < 0.6 * without, (with_ef, without)
 
 
 def hierarchical_misuse(rank, size):
