@@ -281,6 +281,39 @@ def test_a_given_prescale_through_the_ring_matches_fp64(worlds):
     check_results(worlds(3).run(prescaled_ring_calls))
 
 
+def prescaled_ring_bits(rank, size):
+    """Two ranks through the ring with prescale 3 and a 16-bit wire: each chunk's owner adds its own
+    input times 3 to the peer's encoded input times 3 in fp32, encodes that sum, and every rank
+    decodes it times the postscale (1/6 for avg, 1/3 for sum). Which rank owns which chunk is the
+    ring's business: each element must be one of the two sums, and differ from a call without the
+    prescale somewhere."""
+    out = {}
+    for codec, op in itertools.product(("fp16", "bf16"), ("avg", "sum")):
+        numel = 2**18 + 5
+        xs = [rank_input(r, numel, torch.float32, seed=17) for r in range(size)]
+        post = 1 / 6 if op == "avg" else 1 / 3
+
+        def owned_by(owner):
+            received = gradsync.decompress(gradsync.compress(xs[1 - owner], codec, scale=3.0), codec, numel)
+            total = received + xs[owner] * 3.0
+            return gradsync.decompress(gradsync.compress(total, codec), codec, numel) * post
+        x, plain = xs[rank].clone(), xs[rank].clone()
+        gradsync.all_reduce(x, op=op, codec=codec, prescale=3.0)
+        gradsync.all_reduce(plain, op=op, codec=codec)
+        either = same_bits_each(x, owned_by(0)) | same_bits_each(x, owned_by(1))
+        out[(codec, op)] = bool(either.all()) and not torch.equal(x, plain)
+    return out
+
+
+def same_bits_each(a, b):
+    return a.view(torch.int32) == b.view(torch.int32)
+
+
+def test_a_given_prescale_scales_what_the_ring_sends(worlds):
+    for exact in worlds(2).run(prescaled_ring_bits):
+        assert all(exact.values()), exact
+
+
 def test_sixteen_million_elements(worlds):
     cases = [(16 * 2**20, codec, "float32", "avg") for codec in gradsync.CODECS]
     check_results(worlds(4).run(run_cases, cases))

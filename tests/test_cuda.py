@@ -131,15 +131,24 @@ def test_codecs_match_cpu_bitwise_at_edge_sizes(codec):
 
 
 def test_big_buffer_and_current_stream():
-    x = torch.randn(64 * 2**20 + 5, device="cuda")
+    """The ops run on the current stream: on a side stream that sleeps before it writes the input, a
+    kernel launched on any other stream would read the zeros there before."""
+    src = torch.randn(64 * 2**20 + 5, device="cuda")
+    x = torch.zeros_like(src)
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())  # x is written on the current stream
     with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # clock cycles: tens of milliseconds
+        x.copy_(src)
         y = gradsync.flatten([x], dtype=torch.bfloat16, scale=0.5)
         z = gradsync.decompress(gradsync.compress(x, "fp8_e4m3"), "fp8_e4m3", x.numel())
+        back = torch.empty_like(x)
+        gradsync.unflatten(y, [back], scale=2.0)
     stream.synchronize()
-    assert same_bits(y, (x * 0.5).bfloat16())
-    assert torch.allclose(z, x, rtol=0.07, atol=1e-3)
+    cpu = src.cpu()
+    assert same_bits(y.cpu(), (cpu * 0.5).bfloat16())
+    assert same_bits(z.cpu(), gradsync.decompress(gradsync.compress(cpu, "fp8_e4m3"), "fp8_e4m3", cpu.numel()))
+    assert same_bits(back.cpu(), (cpu * 0.5).bfloat16().float() * 2.0)
 
 
 def test_fp8_payload_on_cuda_must_be_aligned_for_its_scales():
