@@ -24,13 +24,26 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1  # no network: pip must no
 export PIP_BREAK_SYSTEM_PACKAGES=1  # an image's system Python marked externally managed (PEP 668) still takes the build
 inherited_arch=${TORCH_CUDA_ARCH_LIST:-}
 # this GPU's architecture alone (GPU_SUITE_ARCH overrides): a list from the image would multiply the build
-export TORCH_CUDA_ARCH_LIST=${GPU_SUITE_ARCH:-$($python -c \
+export TORCH_CUDA_ARCH_LIST=${GPU_SUITE_ARCH:-$(timeout 60 $python -c \
   "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')" 2>/dev/null || echo 9.0)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure explains itself in the logs
 export GRADSYNC_CUDA=${GRADSYNC_CUDA:-1}  # no silent CPU-only build when the toolkit is not found
 started=$SECONDS
 status=0
+
+# run LOG SECONDS COMMAND...: the command under a time limit, its output appended to LOG (not piped
+# through tee: a process it leaves behind, such as a rank in another session, would hold the pipe and
+# the run), then the part it wrote shown here. Fails as the command does.
+run() {
+  local log=$1 limit=$2 start
+  shift 2
+  start=$(stat -c %s "$log" 2>/dev/null || echo 0)
+  timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
+  local rc=$?
+  tail -c +$((start + 1)) "$log" | tail -n 80
+  return $rc
+}
 
 # Whether a step of at most $1 seconds ends within the budget; otherwise it is skipped, and said so.
 fits() {
@@ -69,48 +82,47 @@ build_log=$(mktemp)
 timeout -s INT -k 10 300 $python -m pip install --no-build-isolation --no-deps -e . > "$build_log" 2>&1
 build=$?
 tail -60 "$build_log" >> "$out/setup.log"
-if [ "$build" -ne 0 ]; then
-  tail -40 "$build_log"
+if [ "$build" -ne 0 ]; then  # the compiler's error sits above pip's traceback and advice
+  { echo "== the build's errors:"; grep -n -B2 -A12 -E 'error|FAILED' "$build_log" | head -200; } | tee -a "$out/setup.log"
   echo "== build failed ($build) after $((SECONDS - started))s" | tee -a "$out/setup.log"
   exit 1
 fi
 echo "== built in $((SECONDS - started))s" | tee -a "$out/setup.log"
-timeout 60 $python -m gradsync.report 2>&1 | tee -a "$out/setup.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+run "$out/setup.log" 60 $python -m gradsync.report || status=1
 
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 # the join-timeout test waits out an NCCL bootstrap by design: it runs on its own, at the end
+# one hung test must not take the step: a limit per test where pytest-timeout is there
+per_test=$(timeout 60 $python -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90")
 if fits 235 "CUDA tests"; then
-  timeout -s INT -k 15 220 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider \
-    --deselect tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins 2>&1 | tee "$out/tests_cuda.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run "$out/tests_cuda.log" 220 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider $per_test \
+    --deselect tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins || status=1
 fi
 if fits 50 "build tests under this torch's NCCL"; then
-  timeout -s INT -k 10 40 $python -m pytest tests/test_build.py -q -rs -p no:cacheprovider \
-    -k "nccl or report or version_carries" 2>&1 | tee -a "$out/tests_cuda.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run "$out/tests_cuda.log" 40 $python -m pytest tests/test_build.py -q -rs -p no:cacheprovider \
+    -k "nccl or report or version_carries" || status=1
 fi
 
 echo "== kernel benchmarks [$((SECONDS - started))s]" | tee -a "$out/bench.log"
 if fits 120 "kernel benchmarks"; then
-  timeout -s INT -k 10 110 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
-    --plot "$out/bench_kernels_cuda.png" 2>&1 | tee -a "$out/bench.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run "$out/bench.log" 110 $python benchmarks/bench_kernels.py --device cuda --json "$out/bench_kernels_cuda.json" \
+    --plot "$out/bench_kernels_cuda.png" || status=1
 fi
 
 echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]" \
   | tee -a "$out/bench.log"
 if fits 90 "one-rank all-reduce"; then
-  timeout -s INT -k 10 80 $python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_allreduce.py --device cuda \
-    --max-bytes 256M --json "$out/bench_allreduce_cuda_1rank.json" 2>&1 | tee -a "$out/bench.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # the one rank started as torchrun would start it, but as timeout's own child, so that the limit reaches it
+  port=$(timeout 30 $python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${port:-29531} \
+    run "$out/bench.log" 80 $python benchmarks/bench_allreduce.py --device cuda --max-bytes 256M \
+    --json "$out/bench_allreduce_cuda_1rank.json" || status=1
 fi
 
 echo "== one ring hop over NCCL: host cost and latency, non-blocking vs blocking communicator [$((SECONDS - started))s]" \
   | tee -a "$out/bench.log"
 if fits 55 "NCCL hop"; then
-  timeout -s INT -k 10 45 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" 2>&1 | tee -a "$out/bench.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run "$out/bench.log" 45 $python benchmarks/bench_nccl_hop.py --json "$out/bench_nccl_hop.json" || status=1
 fi
 
 echo "== the cost model's projections with the measured kernels and hop [$((SECONDS - started))s]" | tee -a "$out/bench.log"
@@ -125,9 +137,8 @@ fi
 # last: it waits out an NCCL bootstrap by design, and the measurements above matter more
 echo "== the NCCL join timeout test [$((SECONDS - started))s]"
 if fits 70 "NCCL join timeout test"; then
-  timeout -s INT -k 10 60 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
-    -q -rs -p no:cacheprovider 2>&1 | tee -a "$out/tests_cuda.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run "$out/tests_cuda.log" 60 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
+    -q -rs -p no:cacheprovider || status=1
 fi
 
 echo "== done in $((SECONDS - started))s, status $status" | tee -a "$out/bench.log"
