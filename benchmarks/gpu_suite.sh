@@ -19,6 +19,7 @@ out=$(cd "$out" && pwd)  # absolute: the script works from the repository's root
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 budget=${BUDGET:-540}
+started=$SECONDS
 export PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1  # no network: pip must not wait for an index
 export PIP_BREAK_SYSTEM_PACKAGES=1  # an image's system Python marked externally managed (PEP 668) still takes the build
@@ -29,18 +30,21 @@ export TORCH_CUDA_ARCH_LIST=${GPU_SUITE_ARCH:-$(timeout 60 $python -c \
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure explains itself in the logs
 export GRADSYNC_CUDA=${GRADSYNC_CUDA:-1}  # no silent CPU-only build when the toolkit is not found
-started=$SECONDS
 status=0
 
 # run LOG SECONDS COMMAND...: the command under a time limit, its output appended to LOG (not piped
 # through tee: a process it leaves behind, such as a rank in another session, would hold the pipe and
-# the run), then the part it wrote shown here. Fails as the command does.
+# the run), then the part it wrote shown here (with what such a process wrote meanwhile). Fails as
+# the command does, and says so in LOG.
 run() {
   local log=$1 limit=$2 start
   shift 2
   start=$(stat -c %s "$log" 2>/dev/null || echo 0)
   timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
   local rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "== exit $rc$( ((rc == 124 || rc == 137)) && echo " (past its limit of ${limit}s)"): $*" >> "$log"
+  fi
   tail -c +$((start + 1)) "$log" | tail -n 80
   return $rc
 }
@@ -93,7 +97,8 @@ run "$out/setup.log" 60 $python -m gradsync.report || status=1
 echo "== CUDA tests [$((SECONDS - started))s]"  # first, so that nothing slower can crowd them out
 # the join-timeout test waits out an NCCL bootstrap by design: it runs on its own, at the end
 # one hung test must not take the step: a limit per test where pytest-timeout is there
-per_test=$(timeout 60 $python -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90")
+# (a thread, which also ends a test stuck in C code, such as a CUDA or NCCL wait)
+per_test=$(timeout 60 $python -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90 --timeout-method=thread")
 if fits 235 "CUDA tests"; then
   run "$out/tests_cuda.log" 220 $python -m pytest tests -m cuda -q -rs -p no:cacheprovider $per_test \
     --deselect tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins || status=1
@@ -111,9 +116,9 @@ fi
 
 echo "== all-reduce through the NCCL transport, world size 1 (the ring's kernels; no wire) [$((SECONDS - started))s]" \
   | tee -a "$out/bench.log"
-if fits 90 "one-rank all-reduce"; then
+if fits 95 "one-rank all-reduce"; then
   # the one rank started as torchrun would start it, but as timeout's own child, so that the limit reaches it
-  port=$(timeout 30 $python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  port=$(timeout 5 $python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${port:-29531} \
     run "$out/bench.log" 80 $python benchmarks/bench_allreduce.py --device cuda --max-bytes 256M \
     --json "$out/bench_allreduce_cuda_1rank.json" || status=1

@@ -135,15 +135,22 @@ def test_big_buffer_and_current_stream():
     kernel launched on any other stream would read the zeros there before."""
     src = torch.randn(64 * 2**20 + 5, device="cuda")
     x = torch.zeros_like(src)
+    # each call made once before, at this size: a first launch may load its kernel, which can wait for every stream
+    gradsync.unflatten(gradsync.flatten([src], dtype=torch.bfloat16, scale=0.5), [torch.empty_like(src)], scale=2.0)
+    gradsync.decompress(gradsync.compress(src, "fp8_e4m3"), "fp8_e4m3", src.numel())
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
+    copied = torch.cuda.Event()
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)  # clock cycles: tens of milliseconds
+        torch.cuda._sleep(1_000_000_000)  # clock cycles: about half a second
         x.copy_(src)
+        copied.record()
         y = gradsync.flatten([x], dtype=torch.bfloat16, scale=0.5)
         z = gradsync.decompress(gradsync.compress(x, "fp8_e4m3"), "fp8_e4m3", x.numel())
         back = torch.empty_like(x)
         gradsync.unflatten(y, [back], scale=2.0)
+    # every launch came before the input was written (the host never waited for the side stream)
+    assert not copied.query(), "a launch waited for the stream: the test cannot see a kernel on another one"
     stream.synchronize()
     cpu = src.cpu()
     assert same_bits(y.cpu(), (cpu * 0.5).bfloat16())
