@@ -148,8 +148,16 @@ def cpu_kernels(path, device="cpu"):
     single = [r for r in run["rows"] if r["tensors"] == 1]
     if not single:
         raise ValueError(f"{path} has no single-buffer case (bench_kernels.py without --sets-only writes them)")
-    case = max(single, key=lambda r: r["count"])["case"]
+    largest = max(r["count"] for r in single)
+    cases = sorted({r["case"] for r in single if r["count"] == largest})
+    if len(cases) > 1:
+        raise ValueError(f"{path}: the single-buffer cases {cases} are all of the largest size: which one to read?")
+    case = cases[0]
     rows = [r for r in run["rows"] if r["case"] == case]
+    ops = [r["op"] for r in rows]
+    if len(set(ops)) < len(ops):
+        raise ValueError(f"{path}: case {case} has rows of one op twice: "
+                         f"{sorted({op for op in ops if ops.count(op) > 1})} (runs merged into one file?)")
     for r in rows:
         _check_positive(r["time_ms"], f"{path}: time_ms of '{r['op']}'")
         _check_positive(r["count"], f"{path}: count of '{r['op']}'")
@@ -774,6 +782,40 @@ def _load_json(path):
         return json.load(f)
 
 
+# what each option reads: the file's producer, the keys of its meta and of every row, and the keys
+# that show it is another kind (a netem report is a bench_allreduce.py run shaped by tc)
+KINDS = {
+    "--kernels": ("bench_kernels.py JSON", {"device", "copy_gbps"}, {"case", "op", "tensors", "count", "time_ms"}, ()),
+    "--nccl-hop": ("bench_nccl_hop.py JSON", set(), {"communicator", "issue_us"}, ()),
+    "--loopback": ("bench_allreduce.py JSON of an unshaped run", {"ranks"}, {"impl", "bytes", "time_ms"},
+                   ("shaper", "rate")),
+    "--validate": ("netem report JSON (benchmarks/netem/report.py)", {"ranks", "shaper"},
+                   {"impl", "bytes", "time_ms", "rate"}, ()),
+}
+KINDS["--gpu-kernels"], KINDS["--latencies-from"] = KINDS["--kernels"], KINDS["--validate"]
+
+
+def kind_problem(option, path):
+    """Why the file at ``path`` is not what ``option`` reads, or None."""
+    what, meta_keys, row_keys, other = KINDS[option]
+    try:
+        data = _load_json(path)
+    except ValueError as error:
+        return f"not JSON ({error}); it takes a {what}"
+    meta, rows = (data.get("meta"), data.get("rows")) if isinstance(data, dict) else (None, None)
+    if not isinstance(meta, dict) or not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return f"not a {what} (no meta and rows)"
+    if not rows:
+        return f"a {what} without rows"
+    missing = sorted(meta_keys - meta.keys()) + sorted({k for r in rows for k in row_keys - r.keys()})
+    if missing:
+        return f"not a {what}: it lacks {', '.join(missing)}"
+    found = [k for k in other if k in meta or any(k in r for r in rows)]
+    if found:
+        return f"not a {what}: it has {', '.join(found)} (a netem report?)"
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser(prog="python -m gradsync.model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -808,6 +850,9 @@ def main():
     for option, path in read.items():
         if path and not os.path.isfile(path):
             parser.error(f"{option} {path} is not a file (pass the measurement JSON)")
+        problem = kind_problem(option, path) if path else None
+        if problem:
+            parser.error(f"{option} {path}: {problem}")
     if args.latencies_from and os.path.samefile(args.latencies_from, args.validate):
         parser.error("--latencies-from names the --validate report itself, whose latencies would not be held out: "
                      "pass another run's report, or leave it out to take this run's own small rows")

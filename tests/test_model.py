@@ -527,14 +527,20 @@ BAD_ARGUMENTS = [
     (["--validate", "missing.json"], "--validate missing.json is not a file"),
     (["--validate", "."], "--validate . is not a file"),
     # the measurement files named: an installed wheel has no benchmarks/results to default to
-    (["--validate", "not_json.json", "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON], "JSONDecodeError"),
+    (["--validate", "not_json.json", "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
+     "--validate not_json.json: not JSON (Expecting value"),
+    (["--gpu-kernels", "empty.json"], "--gpu-kernels empty.json: not JSON"),
     (["--validate", KERNELS_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
-     "KeyError: 'ranks'"),  # a kernels run where a netem report belongs
+     f"--validate {KERNELS_JSON}: not a netem report JSON (benchmarks/netem/report.py): it lacks ranks, shaper"),
     (["--validate", LOOPBACK_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON],
-     "--validate and --latencies-from: netem report JSON"),  # a loopback run where a netem report belongs
+     f"--validate {LOOPBACK_JSON}: not a netem report JSON"),  # a loopback run where a netem report belongs
+    (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", NETEM_JSON],  # was read, its TCP cost 16x
+     f"--loopback {NETEM_JSON}: not a bench_allreduce.py JSON of an unshaped run: it has shaper, rate"),
+    (["--kernels", "twice.json"], "has rows of one op twice: ['gradsync compress(fp16)']"),  # the last one was read
+    (["--kernels", "two_largest.json"], "are all of the largest size: which one to read?"),
     (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON, "--min-bytes", str(2**40)],
      "leaves no row of"),
-    (["--gpu-kernels", "list.json"], "--kernels and --gpu-kernels: bench_kernels.py JSON"),
+    (["--gpu-kernels", "list.json"], "--gpu-kernels list.json: not a bench_kernels.py JSON (no meta and rows)"),
 ]
 
 
@@ -544,6 +550,15 @@ def refusals(tmp_path_factory):
     folder = tmp_path_factory.mktemp("refusals")
     (folder / "not_json.json").write_text("size time\n")
     (folder / "list.json").write_text("[]\n")
+    (folder / "empty.json").write_text("")
+    with open(KERNELS_JSON) as f:
+        kernels = json.load(f)
+    largest = max((r for r in kernels["rows"] if r["tensors"] == 1), key=lambda r: r["count"])
+    case = [r for r in kernels["rows"] if r["case"] == largest["case"]]
+    again = next(dict(r, time_ms=100 * r["time_ms"]) for r in case if r["op"] == "gradsync compress(fp16)")
+    (folder / "twice.json").write_text(json.dumps(dict(kernels, rows=kernels["rows"] + [again])))
+    other = [dict(r, case="another") for r in case]
+    (folder / "two_largest.json").write_text(json.dumps(dict(kernels, rows=kernels["rows"] + other)))
     done = run_each([["-m", "gradsync.model", *argv] for argv, _ in BAD_ARGUMENTS], cwd=folder)
     return {tuple(argv): d for (argv, _), d in zip(BAD_ARGUMENTS, done)}
 

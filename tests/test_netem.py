@@ -137,6 +137,32 @@ def test_report_bound_and_targets(tmp_path):
     assert "| – | – |" in text and "| n/a |" in text
 
 
+def test_the_report_refuses_runs_it_cannot_read(tmp_path):
+    """Each refused before anything is written: it crashed (no rows, a time of 0, no speedup), printed
+    negative or NaN times, or merged clusters of other sizes under the first one's title."""
+    report = load_report()
+    row = {"bytes": 2**20, "impl": "gradsync fp16", "time_ms": 5.0, "wire_bytes": 2**19, "speedup": 1.5}
+    cases = [([], "has no rows"),
+             ([dict(row, time_ms=0)], "has time_ms 0, not a positive number"),
+             ([dict(row, time_ms=-5.0)], "has time_ms -5.0"),
+             ([dict(row, time_ms=float("nan"))], "has time_ms nan"),
+             ([{k: v for k, v in row.items() if k != "speedup"}], "'speedup'"),
+             ([row, dict(row, time_ms=6.0)], "has two rows of gradsync fp16 at 1048576 bytes")]
+    for i, (rows, says) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        path = tmp_path / str(i) / "rate-1gbit.json"
+        path.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": rows}))
+        done = subprocess.run([sys.executable, os.path.join(NETEM, "report.py"), "--out", str(tmp_path / str(i) / "r"),
+                               str(path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (says, done.stderr)
+        assert sorted(os.listdir(tmp_path / str(i))) == ["rate-1gbit.json"], says  # nothing written
+    four, two = tmp_path / "rate-1gbit.json", tmp_path / "rate-2gbit.json"
+    four.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": [row]}))
+    two.write_text(json.dumps({"title": "t", "meta": {"ranks": 2}, "rows": [row]}))
+    with pytest.raises(ValueError, match="has 2 ranks where the runs before it have 4: one cluster per report"):
+        report.load([str(four), str(two)])
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="run.sh stops earlier without root, asking for it")
 @pytest.mark.parametrize("missing", ["ip", "tc"])
 def test_a_missing_tool_is_named_before_anything_runs(missing, tmp_path):

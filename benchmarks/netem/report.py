@@ -68,12 +68,33 @@ def link_bound_s(n, wire_bytes, bps, burst_bytes=0):
     return max(0.0, 2 * (n - 1) / n * wire_bytes - burst_bytes) * 8 / bps
 
 
+def check_run(path, run, ranks):
+    """A run's rows as this report reads them: every one of its world size and measured, once each."""
+    if run["meta"]["ranks"] != ranks:
+        raise ValueError(f"{path} has {run['meta']['ranks']} ranks where the runs before it have {ranks}: one "
+                         "cluster per report")
+    if not run["rows"]:
+        raise ValueError(f"{path} has no rows")
+    seen = set()
+    for r in run["rows"]:
+        for key in ("bytes", "wire_bytes", "time_ms"):
+            if not (isinstance(r[key], (int, float)) and 0 < r[key] < float("inf")):
+                raise ValueError(f"{path}: row {r['impl']} of {r['bytes']} bytes has {key} {r[key]!r}, not a "
+                                 "positive number")
+        if r["speedup"] is not None and not (isinstance(r["speedup"], (int, float)) and r["speedup"] > 0):
+            raise ValueError(f"{path}: row {r['impl']} of {r['bytes']} bytes has speedup {r['speedup']!r}")
+        if (r["impl"], r["bytes"]) in seen:
+            raise ValueError(f"{path} has two rows of {r['impl']} at {r['bytes']} bytes (runs merged into one file?)")
+        seen.add((r["impl"], r["bytes"]))
+
+
 def load(paths):
     rows, meta = [], None
     for path in paths:
         rate = re.fullmatch(r"rate-(.+)\.json", os.path.basename(path))[1]
         with open(path) as f:
             run = json.load(f)
+        check_run(path, run, meta["ranks"] if meta else run["meta"]["ranks"])
         meta = meta or dict(run["meta"], title=run["title"], p2p_latency_us={})
         meta["p2p_latency_us"][rate] = run["meta"].get("p2p_latency_us")
         n, bps = run["meta"]["ranks"], rate_bps(rate)
