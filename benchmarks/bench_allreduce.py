@@ -408,7 +408,8 @@ def main():
                      "and earlier leaves its event-loop thread unnamed, that of 2.13 names it)")
     title = (f"all-reduce, {n} ranks, {dist.get_backend()} on {common.machine_description(device)}; "
              f"gradsync {gradsync.__version__}")
-    meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__}
+    meta = {"ranks": n, "backend": dist.get_backend(), "gradsync": gradsync.__version__, "torch": torch.__version__,
+            "master_addr": os.environ.get("MASTER_ADDR")}  # a loopback address, or a network's (netem/run.sh)
     if args.accuracy:
         rows = accuracy(device)
         columns = ACCURACY_COLUMNS

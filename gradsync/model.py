@@ -30,6 +30,7 @@ Pure Python: the model's file imports nothing but the standard library (``python
 loads the gradsync package, and so torch, first).
 """
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -813,6 +814,15 @@ def kind_problem(option, path):
     found = [k for k in other if k in meta or any(k in r for r in rows)]
     if found:
         return f"not a {what}: it has {', '.join(found)} (a netem report?)"
+    if option == "--loopback":  # a run of netem/run.sh is a bench_allreduce.py JSON too, over shaped links
+        address = meta.get("master_addr")
+        try:  # a host name (torchrun may write one) cannot tell
+            over_a_network = not ipaddress.ip_address(address).is_loopback
+        except ValueError:
+            over_a_network = False
+        if re.fullmatch(r"rate-.+\.json", os.path.basename(path)) or over_a_network:
+            return (f"not a {what}: a run over a network (benchmarks/netem/run.sh's rate-<rate>.json, or MASTER_ADDR "
+                    f"{address}); the TCP stack's cost is read from ranks on one host, over loopback")
     return None
 
 

@@ -536,6 +536,11 @@ BAD_ARGUMENTS = [
      f"--validate {LOOPBACK_JSON}: not a netem report JSON"),  # a loopback run where a netem report belongs
     (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", NETEM_JSON],  # was read, its TCP cost 16x
      f"--loopback {NETEM_JSON}: not a bench_allreduce.py JSON of an unshaped run: it has shaper, rate"),
+    (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", "rate-1gbit.json"],  # run.sh's, shaped
+     "--loopback rate-1gbit.json: not a bench_allreduce.py JSON of an unshaped run: a run over a network"),
+    (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", "bridged.json"],
+     "not a bench_allreduce.py JSON of an unshaped run: a run over a network (benchmarks/netem/run.sh's "
+     "rate-<rate>.json, or MASTER_ADDR 10.0.0.1)"),
     (["--kernels", "twice.json"], "has rows of one op twice: ['gradsync compress(fp16)']"),  # the last one was read
     (["--kernels", "two_largest.json"], "are all of the largest size: which one to read?"),
     (["--validate", NETEM_JSON, "--kernels", KERNELS_JSON, "--loopback", LOOPBACK_JSON, "--min-bytes", str(2**40)],
@@ -551,6 +556,10 @@ def refusals(tmp_path_factory):
     (folder / "not_json.json").write_text("size time\n")
     (folder / "list.json").write_text("[]\n")
     (folder / "empty.json").write_text("")
+    with open(LOOPBACK_JSON) as f:
+        loopback = json.load(f)
+    (folder / "rate-1gbit.json").write_text(json.dumps(loopback))
+    (folder / "bridged.json").write_text(json.dumps(dict(loopback, meta=dict(loopback["meta"], master_addr="10.0.0.1"))))
     with open(KERNELS_JSON) as f:
         kernels = json.load(f)
     largest = max((r for r in kernels["rows"] if r["tensors"] == 1), key=lambda r: r["count"])

@@ -115,7 +115,8 @@ def test_report_bound_and_targets(tmp_path):
     assert report._bound_target({"gradsync fp16": {"pct_bound": 84.9}}, 85) == ("fp16 84.9 %", False)
     impls = {"torch fp32": (4, 1000.0), "gradsync none": (4, 1050.0), "gradsync fp16": (2, 500.0),
              "gradsync bf16": (2, 520.0), "gradsync fp8_e4m3": (1.03, 320.0), "gradsync fp8_e5m2": (1.03, 290.0)}
-    rows = [{"bytes": 2**26, "impl": impl, "time_ms": ms, "wire_bytes": int(2**24 * w), "speedup": 1000.0 / ms}
+    rows = [{"bytes": 2**26, "impl": impl, "time_ms": ms, "wire_bytes": int(2**24 * w),
+             "speedup": 1000.0 / ms if impl != "torch fp32" else 0.0}  # as bench_allreduce.py writes them
             for impl, (w, ms) in impls.items()]
     path = tmp_path / "rate-1gbit.json"
     path.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": rows}))
@@ -147,6 +148,8 @@ def test_the_report_refuses_runs_it_cannot_read(tmp_path):
              ([dict(row, time_ms=-5.0)], "has time_ms -5.0"),
              ([dict(row, time_ms=float("nan"))], "has time_ms nan"),
              ([{k: v for k, v in row.items() if k != "speedup"}], "'speedup'"),
+             ([dict(row, wire_bytes=True)], "has wire_bytes True"),
+             ([dict(row, speedup=-1.0)], "has speedup -1.0"),
              ([row, dict(row, time_ms=6.0)], "has two rows of gradsync fp16 at 1048576 bytes")]
     for i, (rows, says) in enumerate(cases):
         (tmp_path / str(i)).mkdir()
@@ -156,6 +159,18 @@ def test_the_report_refuses_runs_it_cannot_read(tmp_path):
                                str(path)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (says, done.stderr)
         assert sorted(os.listdir(tmp_path / str(i))) == ["rate-1gbit.json"], says  # nothing written
+    for ranks in (True, float("nan"), "4", 1):
+        (tmp_path / "ranks").mkdir(exist_ok=True)
+        odd = tmp_path / "ranks" / "rate-1gbit.json"
+        odd.write_text(json.dumps({"title": "t", "meta": {"ranks": ranks}, "rows": [row]}))
+        with pytest.raises(ValueError, match=f"meta.ranks is {ranks!r}, not a number of hosts"):
+            report.load([str(odd)])
+    # a committed run of bench_allreduce.py, as run.sh writes them: it reads
+    committed = tmp_path / "committed" / "rate-1gbit.json"
+    committed.parent.mkdir()
+    shutil.copy(os.path.join(NETEM, "..", "results", "2026-12-01-cpu-allreduce-4ranks.json"), committed)
+    rows_read, _ = report.load([str(committed)])
+    assert {r["impl"] for r in rows_read} >= {"torch fp32", "gradsync fp16"}
     four, two = tmp_path / "rate-1gbit.json", tmp_path / "rate-2gbit.json"
     four.write_text(json.dumps({"title": "t", "meta": {"ranks": 4}, "rows": [row]}))
     two.write_text(json.dumps({"title": "t", "meta": {"ranks": 2}, "rows": [row]}))

@@ -70,19 +70,20 @@ def link_bound_s(n, wire_bytes, bps, burst_bytes=0):
 
 def check_run(path, run, ranks):
     """A run's rows as this report reads them: every one of its world size and measured, once each."""
-    if run["meta"]["ranks"] != ranks:
-        raise ValueError(f"{path} has {run['meta']['ranks']} ranks where the runs before it have {ranks}: one "
-                         "cluster per report")
+    n = run["meta"]["ranks"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"{path}: meta.ranks is {n!r}, not a number of hosts of at least 2")
+    if n != ranks:
+        raise ValueError(f"{path} has {n} ranks where the runs before it have {ranks}: one cluster per report")
     if not run["rows"]:
         raise ValueError(f"{path} has no rows")
     seen = set()
     for r in run["rows"]:
-        for key in ("bytes", "wire_bytes", "time_ms"):
-            if not (isinstance(r[key], (int, float)) and 0 < r[key] < float("inf")):
+        for key in ("bytes", "wire_bytes", "time_ms", "speedup"):  # torch fp32's own speedup is written as 0
+            if isinstance(r[key], bool) or not isinstance(r[key], (int, float)) or \
+                    not (0 < r[key] < float("inf") or key == "speedup" and r[key] == 0):
                 raise ValueError(f"{path}: row {r['impl']} of {r['bytes']} bytes has {key} {r[key]!r}, not a "
                                  "positive number")
-        if r["speedup"] is not None and not (isinstance(r["speedup"], (int, float)) and r["speedup"] > 0):
-            raise ValueError(f"{path}: row {r['impl']} of {r['bytes']} bytes has speedup {r['speedup']!r}")
         if (r["impl"], r["bytes"]) in seen:
             raise ValueError(f"{path} has two rows of {r['impl']} at {r['bytes']} bytes (runs merged into one file?)")
         seen.add((r["impl"], r["bytes"]))
