@@ -118,6 +118,39 @@ void check_fp8_paths_agree_on_graded_blocks() {
   set_cpu_isa("auto");
 }
 
+// The fused hop is the composition it replaces: encode(decode(in) + float(local) * prescale), the
+// sum in fp32 and its block scales chosen from it, bit for bit, on every instruction set.
+void check_fp8_reduce_encode_is_decode_add_encode() {
+  const int64_t n = kFp8BlockSize * 300 + 77;
+  const std::vector<float> x = graded_blocks(n, 9), y = graded_blocks(n, 10);
+  const int64_t nb = fp8_num_blocks(n), bytes = fp8_payload_bytes(n);
+  for (const char* isa : {"scalar", "avx2"}) {
+    if (!set_cpu_isa(isa)) continue;
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (DType st : kTypes) {
+        std::vector<uint8_t> src(n * 4), local(n * 4), enc(bytes), fused(bytes), composed(bytes);
+        convert_cpu(x.data(), DType::kFloat32, src.data(), st, n, 1.0f);
+        convert_cpu(y.data(), DType::kFloat32, local.data(), st, n, 1.0f);
+        for (float scale : {1.0f, 0.3f}) {
+          fp8_encode_cpu(f, src.data(), st, n, scale, enc.data(), 0, nb);
+          fp8_reduce_encode_cpu(f, enc.data(), local.data(), st, n, scale, fused.data());
+          std::vector<float> received(n), mine(n), sum(n);
+          fp8_decode_cpu(f, enc.data(), n, 1.0f, received.data(), DType::kFloat32, 0, nb);
+          convert_cpu(local.data(), st, mine.data(), DType::kFloat32, n, 1.0f);
+          for (int64_t i = 0; i < n; ++i) {
+            const float product = mine[i] * scale;
+            sum[i] = received[i] + product;
+          }
+          fp8_encode_cpu(f, sum.data(), DType::kFloat32, n, 1.0f, composed.data(), 0, nb);
+          CHECK(fused == composed, "%s fp8 %d reduce-encode, local dtype %d, scale %g: not decode, add, encode", isa,
+                int(f), int(st), scale);
+        }
+      }
+    }
+  }
+  set_cpu_isa("auto");
+}
+
 void check_fp8_roundtrip() {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> exponent(-30.0f, 30.0f), spread(-2.0f, 2.0f);
@@ -334,6 +367,7 @@ int main() {
   check_convert_paths_agree();
   check_fp8_roundtrip();
   check_fp8_paths_agree_on_graded_blocks();
+  check_fp8_reduce_encode_is_decode_add_encode();
   check_multi_tensor_copy();
   check_feedback_kernels();
   check_reduce_decode_kernels();
