@@ -87,7 +87,8 @@ timeout -s INT -k 10 300 $python -m pip install --no-build-isolation --no-deps -
 build=$?
 tail -60 "$build_log" >> "$out/setup.log"
 if [ "$build" -ne 0 ]; then  # the compiler's error sits above pip's traceback and advice
-  { echo "== the build's errors:"; grep -n -B2 -A12 -E 'error|FAILED' "$build_log" | head -200; } | tee -a "$out/setup.log"
+  { echo "== the build's errors:"; grep -n -B2 -A12 -E 'error|FAILED' "$build_log" | head -200; } |
+    tee -a "$out/setup.log"
   echo "== build failed ($build) after $((SECONDS - started))s" | tee -a "$out/setup.log"
   exit 1
 fi
@@ -142,8 +143,8 @@ fi
 # last: it waits out an NCCL bootstrap by design, and the measurements above matter more
 echo "== the NCCL join timeout test [$((SECONDS - started))s]"
 if fits 70 "NCCL join timeout test"; then
-  run "$out/tests_cuda.log" 60 $python -m pytest tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins \
-    -q -rs -p no:cacheprovider || status=1
+  run "$out/tests_cuda.log" 60 $python -m pytest \
+    tests/test_allreduce.py::test_nccl_join_times_out_when_a_peer_never_joins -q -rs -p no:cacheprovider || status=1
 fi
 
 echo "== done in $((SECONDS - started))s, status $status" | tee -a "$out/bench.log"

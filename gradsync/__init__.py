@@ -21,6 +21,7 @@ except ImportError as error:
         if name.startswith("__"):  # what introspection probes for (hasattr) stays an AttributeError
             raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
         raise ImportError(f"gradsync.{name}: {_load_error}")
+
 __version__ = _build_info.version if _build_info else "unknown"
 
 if _C is not None:

@@ -22,8 +22,8 @@ def rebuild_hint(package_dir, for_torch=True):
                 f"rebuild it with pip install --no-build-isolation --no-deps -e {root}, or import gradsync from "
                 "another folder")
     return (f"reinstall it{' against the running torch' if for_torch else ''}: pip install --no-build-isolation "
-            "--no-deps --force-reinstall --no-cache-dir gradsync (or . in its source folder; pip's cache may hold a wheel built for another "
-            "torch)")
+            "--no-deps --force-reinstall --no-cache-dir gradsync (or . in its source folder; pip's cache may hold a "
+            "wheel built for another torch)")
 
 
 def _minor(version):

@@ -19,7 +19,7 @@ def gpus():
 
 
 def report():
-    """The report's text; the compiled module's facts read "unknown" where it could not be loaded."""
+    """The report's text; without the compiled module, what the build recorded and why it did not load."""
     _build_info, _C = gradsync._build_info, gradsync._C
     if _C is None:
         return unloaded_report(_build_info)
@@ -42,8 +42,9 @@ def unloaded_report(build_info):
     rows = [("gradsync", gradsync.__version__)]
     if build_info is not None:
         cuda = build_info.cuda_version
+        compiled_for = f"{cuda} (arch list {build_info.cuda_arch_list})" if cuda else "none (CPU build)"
         rows += [("build flavour", build_info.flavour),
-                 ("CUDA compiled for", f"{cuda} (arch list {build_info.cuda_arch_list})" if cuda else "none (CPU build)"),
+                 ("CUDA compiled for", compiled_for),
                  ("NCCL linked", "unknown: the extension did not load" if cuda else "none (CPU build)"),
                  ("torch built against", build_info.torch_version)]
     rows += [("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda

@@ -209,7 +209,8 @@ def record(torch_version=_build_info.torch_version, cuda_version=_build_info.cud
 @pytest.mark.parametrize("damage, why", [
     ("version = '0.1.0'\ntorch_version = '2.13.0+cpu\n", "SyntaxError"),
     ("version = '0.1.0'\n", "flavour is 'missing'"),
-    (record().replace(f"torch_version = {_build_info.torch_version!r}", "torch_version = None"), "torch_version is None"),
+    (record().replace(f"torch_version = {_build_info.torch_version!r}", "torch_version = None"),
+     "torch_version is None"),
 ])
 def test_a_damaged_build_record_is_an_import_error_that_says_so(tmp_path, damage, why):
     copy = package_copy(tmp_path, build_info=damage)

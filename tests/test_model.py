@@ -559,7 +559,8 @@ def refusals(tmp_path_factory):
     with open(LOOPBACK_JSON) as f:
         loopback = json.load(f)
     (folder / "rate-1gbit.json").write_text(json.dumps(loopback))
-    (folder / "bridged.json").write_text(json.dumps(dict(loopback, meta=dict(loopback["meta"], master_addr="10.0.0.1"))))
+    bridged = dict(loopback, meta=dict(loopback["meta"], master_addr="10.0.0.1"))
+    (folder / "bridged.json").write_text(json.dumps(bridged))
     with open(KERNELS_JSON) as f:
         kernels = json.load(f)
     largest = max((r for r in kernels["rows"] if r["tensors"] == 1), key=lambda r: r["count"])
