@@ -45,26 +45,27 @@ def load_failure(error, build_info, package_dir):
     """What to tell a user whose gradsync._C, built for the running torch, failed to import with ``error``."""
     text = str(error)
     where = f"gradsync {build_info.version} at {package_dir} (built for torch {build_info.torch_version})"
+    reinstall = rebuild_hint(package_dir, for_torch=False)
     if "gradsync._C" in text and isinstance(error, ModuleNotFoundError):
         others = [os.path.basename(f) for f in glob.glob(os.path.join(package_dir, "_C.*"))
                   if f.endswith((".so", ".pyd"))]
         if others:
             return (f"{where} has no compiled module that this Python ({sys.implementation.cache_tag} on "
                     f"{platform.machine()}) can load, only {', '.join(others)}: it was built for another Python or "
-                    f"machine; {rebuild_hint(package_dir, for_torch=False)}")
+                    f"machine; {reinstall}")
         return (f"{where} has no compiled module gradsync._C beside its build record: the build or install was "
-                f"interrupted; {rebuild_hint(package_dir, for_torch=False)}")
+                f"interrupted; {reinstall}")
     symbol = re.search(r"undefined symbol: (\S+)", text)
     if symbol and symbol.group(1).startswith("nccl"):
         return (f"{where} failed to load: {text}; the libnccl.so.2 this process loaded is older than the NCCL it "
                 "was compiled against: take out of LD_LIBRARY_PATH an NCCL other than the nvidia-nccl package "
-                f"torch depends on, or {rebuild_hint(package_dir, for_torch=False)}")
+                f"torch depends on, or {reinstall}")
     if symbol and symbol.group(1).startswith("_Z"):  # a C++ symbol: the ABI of another torch build of that version
         return (f"{where} failed to load under torch {torch.__version__}: {text}; it was compiled against another "
                 f"build of that torch: {rebuild_hint(package_dir)}")
     if symbol:
         return (f"{where} failed to load: {text}; a library it links is older than the one it was compiled "
-                f"against: update that library, or {rebuild_hint(package_dir, for_torch=False)}")
+                f"against: update that library, or {reinstall}")
     missing = re.search(r"(lib[\w.+-]*\.so[\w.]*): cannot open shared object file", text)
     if missing and missing.group(1).startswith("libnccl"):
         major = (build_info.cuda_version or "13").split(".")[0]
@@ -72,8 +73,8 @@ def load_failure(error, build_info, package_dir):
                 f"package beside torch (pip install nvidia-nccl-cu{major}) or a libnccl.so.2 on LD_LIBRARY_PATH")
     if missing:
         return (f"{where} failed to load: {text}; a library it links is not on the loader's path (LD_LIBRARY_PATH), "
-                f"or install it; else {rebuild_hint(package_dir, for_torch=False)}")
-    return f"{where} failed to load: {text}; {rebuild_hint(package_dir, for_torch=False)}"
+                f"or install it; else {reinstall}")
+    return f"{where} failed to load: {text}; {reinstall}"
 
 
 def read_build_info():

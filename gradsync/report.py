@@ -20,37 +20,27 @@ def gpus():
 
 def report():
     """The report's text; without the compiled module, what the build recorded and why it did not load."""
-    _build_info, _C = gradsync._build_info, gradsync._C
-    if _C is None:
-        return unloaded_report(_build_info)
-    info = _C.build_info()
-    cuda = info["cuda"]
-    rows = [
-        ("gradsync", gradsync.__version__),
-        ("build flavour", _build_info.flavour),
-        ("CUDA compiled for", f"{cuda} (arch list {_build_info.cuda_arch_list})" if cuda else "none (CPU build)"),
-        ("NCCL linked", f"{_C.nccl_runtime_version()} (headers {info['nccl_compiled']})" if cuda else "none (CPU build)"),
-        ("torch built against", _build_info.torch_version),
-        ("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__),
-        ("CPU kernels", f"{_C.cpu_isa()} on {platform.machine()}, {_C.cpu_kernel_threads()} threads"),
-        ("fp8 block size", str(info["fp8_block_size"])),
-    ]
-    return table(rows + [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())])
-
-
-def unloaded_report(build_info):
+    build_info, ext = gradsync._build_info, gradsync._C
+    info = ext.build_info() if ext is not None else None
     rows = [("gradsync", gradsync.__version__)]
     if build_info is not None:
-        cuda = build_info.cuda_version
+        cuda = info["cuda"] if info is not None else build_info.cuda_version
+        nccl = f"{ext.nccl_runtime_version()} (headers {info['nccl_compiled']})" if info is not None else \
+            "unknown: the extension did not load"
         compiled_for = f"{cuda} (arch list {build_info.cuda_arch_list})" if cuda else "none (CPU build)"
         rows += [("build flavour", build_info.flavour),
                  ("CUDA compiled for", compiled_for),
-                 ("NCCL linked", "unknown: the extension did not load" if cuda else "none (CPU build)"),
+                 ("NCCL linked", nccl if cuda else "none (CPU build)"),
                  ("torch built against", build_info.torch_version)]
-    rows += [("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda
-              else torch.__version__)]
+    rows.append(("torch running", f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda
+                 else torch.__version__))
+    if info is not None:
+        rows += [("CPU kernels", f"{ext.cpu_isa()} on {platform.machine()}, {ext.cpu_kernel_threads()} threads"),
+                 ("fp8 block size", str(info["fp8_block_size"]))]
     rows += [("GPUs" if i == 0 else "", g) for i, g in enumerate(gpus())]
-    return table(rows + [("extension", f"NOT LOADED: {gradsync._load_error}")])
+    if ext is None:
+        rows.append(("extension", f"NOT LOADED: {gradsync._load_error}"))
+    return table(rows)
 
 
 def table(rows):
