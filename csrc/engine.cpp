@@ -670,10 +670,11 @@ void bind_ring(pybind11::module& m) {
   }, py::arg("device"), py::arg("hops"), py::arg("sizes"), py::arg("repeats") = 1, py::arg("timeout_s") = 60.0);
   m.def("_on_engine_thread", &RingEngine::on_worker_thread);
   // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
-  // their groups on a thread of their own, which never enters Python, so that the interpreter may
-  // exit while a call of theirs still waits for a peer. _wait_for_releases waits up to wait_s (the
-  // GIL released) for every release begun so far, and says whether they all finished: at exit,
-  // one still tearing a backend down as the process ends can abort it.
+  // their groups on a thread of their own, so that the interpreter may exit while a call of theirs
+  // still waits for a peer. _wait_for_releases waits up to wait_s (the GIL released) for every
+  // release begun so far, and says whether they all finished: at exit, one still tearing a backend
+  // down during the finalization aborts the process where it takes the GIL (with torch 2.14 it does
+  // as it ends, letting go of the backend's Python object).
   m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
     Releases& counted = *releases;
     {
