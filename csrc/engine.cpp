@@ -672,9 +672,9 @@ void bind_ring(pybind11::module& m) {
   // The engines of groups torch.distributed destroyed: stopped (once their calls are done) and rid of
   // their groups on a thread of their own, so that the interpreter may exit while a call of theirs
   // still waits for a peer. _wait_for_releases waits up to wait_s (the GIL released) for every
-  // release begun so far, and says whether they all finished: at exit, one still tearing a backend
-  // down during the finalization aborts the process where it takes the GIL (with torch 2.14 it does
-  // as it ends, letting go of the backend's Python object).
+  // release begun so far, and says whether they all finished: at exit, a teardown that ends during
+  // the interpreter's finalization aborts the process where it takes the GIL (torch 2.14's does as it
+  // ends, letting go of the backend's Python object).
   m.def("_release_engines", [](std::vector<std::shared_ptr<RingEngine>> engines) {
     Releases& counted = *releases;
     {
