@@ -72,8 +72,11 @@ def find_cuda_home():
         if os.environ.get(var):
             if is_toolkit(os.environ[var]):
                 return os.environ[var]
-            print(f"gradsync build: {var}={os.environ[var]} holds no bin/nvcc and include/cuda_runtime.h, "
-                  "so no CUDA toolkit is used", file=sys.stderr)
+            problem = f"{var}={os.environ[var]} holds no bin/nvcc and include/cuda_runtime.h"
+            # an error beside a CUDA torch, not a quiet CPU build: pip shows a build's output only when it fails
+            if torch.version.cuda is not None and os.environ.get("GRADSYNC_CUDA", "") != "0":
+                fail(f"{problem}: set it to a CUDA toolkit's folder, unset it, or set GRADSYNC_CUDA=0 for a CPU build")
+            print(f"gradsync build: {problem}, so no CUDA toolkit is used", file=sys.stderr)
             return None
     candidates = []
     nvcc = shutil.which("nvcc")

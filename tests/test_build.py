@@ -170,6 +170,27 @@ def test_a_toolkit_of_another_cuda_major_than_torchs_is_refused_by_name(tmp_path
             "or GRADSYNC_CUDA=0 for a CPU build") in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("forced", ["", "1", "0"])
+@pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
+def test_a_cuda_home_that_holds_no_toolkit_is_refused_by_name_beside_a_cuda_torch(tmp_path, var, forced):
+    # a quiet CPU build would show only at run time: pip shows a build's output only when it fails
+    empty = tmp_path / "not-a-toolkit"
+    empty.mkdir()
+    env = {"CUDA_HOME": "", "CUDA_PATH": "", var: str(empty), "GRADSYNC_CUDA": forced}
+    result = run_setup_version(tmp_path, "torch.version.cuda = '13.0'", **env)
+    if forced == "0":
+        assert result.returncode == 0 and "+cu" not in result.stdout, result
+        return
+    assert result.returncode != 0, result
+    assert (f"{var}={empty} holds no bin/nvcc and include/cuda_runtime.h: set it to a CUDA toolkit's folder, unset "
+            "it, or set GRADSYNC_CUDA=0 for a CPU build") in result.stderr, result.stderr
+
+
+def test_a_cuda_home_that_holds_no_toolkit_is_no_matter_beside_a_cpu_torch(tmp_path):
+    result = run_setup_version(tmp_path, "torch.version.cuda = None", CUDA_HOME=str(tmp_path), GRADSYNC_CUDA="")
+    assert result.returncode == 0 and "+cu" not in result.stdout, result
+
+
 def test_the_library_carries_no_debug_info():
     # Python's CFLAGS say -g: with it the library was 23 MB, 97 % of it DWARF
     with open(gradsync._C.__file__, "rb") as library:
