@@ -65,17 +65,26 @@ def is_toolkit(home):
         (Path(home) / "include" / "cuda_runtime.h").exists()
 
 
-def find_cuda_home():
+def forced_cuda():
+    """GRADSYNC_CUDA: "1" or "0" forces the flavour, "" (or unset) lets the toolkit decide."""
+    forced = os.environ.get("GRADSYNC_CUDA", "")
+    if forced not in ("", "0", "1"):
+        fail(f"GRADSYNC_CUDA must be 0 or 1, got {forced!r}")
+    return forced
+
+
+def find_cuda_home(forced):
     """The CUDA toolkit root. torch guesses it from the folder of `nvcc`, which is wrong when nvcc
     is a wrapper script outside the toolkit, so look for a folder that really holds one."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
+    for var in ("CUDA_HOME", "CUDA_PATH"):  # in torch's order
         if os.environ.get(var):
             if is_toolkit(os.environ[var]):
                 return os.environ[var]
             problem = f"{var}={os.environ[var]} holds no bin/nvcc and include/cuda_runtime.h"
             # an error beside a CUDA torch, not a quiet CPU build: pip shows a build's output only when it fails
-            if torch.version.cuda is not None and os.environ.get("GRADSYNC_CUDA", "") != "0":
-                fail(f"{problem}: set it to a CUDA toolkit's folder, unset it, or set GRADSYNC_CUDA=0 for a CPU build")
+            if torch.version.cuda is not None and forced != "0":
+                fail(f"{problem}: set it to a CUDA toolkit's folder or unset it"
+                     + ("" if forced else ", or set GRADSYNC_CUDA=0 for a CPU build"))
             print(f"gradsync build: {problem}, so no CUDA toolkit is used", file=sys.stderr)
             return None
     candidates = []
@@ -97,10 +106,7 @@ def toolkit_cuda_major(home):
     return int(found.group(1)) // 1000 if found else None
 
 
-def want_cuda(cuda_home):
-    forced = os.environ.get("GRADSYNC_CUDA", "")
-    if forced not in ("", "0", "1"):
-        fail(f"GRADSYNC_CUDA must be 0 or 1, got {forced!r}")
+def want_cuda(cuda_home, forced):
     if forced == "0":
         return False
     if forced == "1":
@@ -179,8 +185,9 @@ def main():
     if torch_release() < MIN_TORCH:
         fail(f"gradsync needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (the oldest it is checked against), "
              f"found {torch.__version__}")
-    cuda_home = find_cuda_home()
-    with_cuda = want_cuda(cuda_home)
+    forced = forced_cuda()
+    cuda_home = find_cuda_home(forced)
+    with_cuda = want_cuda(cuda_home, forced)
     if with_cuda:
         os.environ["CUDA_HOME"] = cuda_home  # must be set before cpp_extension is imported
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # empty as unset: torch would guess from the GPUs seen

@@ -172,23 +172,40 @@ def test_a_toolkit_of_another_cuda_major_than_torchs_is_refused_by_name(tmp_path
 
 @pytest.mark.parametrize("forced", ["", "1", "0"])
 @pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
-def test_a_cuda_home_that_holds_no_toolkit_is_refused_by_name_beside_a_cuda_torch(tmp_path, var, forced):
+def test_a_cuda_home_that_holds_no_toolkit_is_an_error_naming_it_beside_a_cuda_torch(tmp_path, var, forced):
     # a quiet CPU build would show only at run time: pip shows a build's output only when it fails
     empty = tmp_path / "not-a-toolkit"
     empty.mkdir()
     env = {"CUDA_HOME": "", "CUDA_PATH": "", var: str(empty), "GRADSYNC_CUDA": forced}
     result = run_setup_version(tmp_path, "torch.version.cuda = '13.0'", **env)
-    if forced == "0":
+    if forced == "0":  # the CPU flavour, as asked
         assert result.returncode == 0 and "+cu" not in result.stdout, result
         return
     assert result.returncode != 0, result
-    assert (f"{var}={empty} holds no bin/nvcc and include/cuda_runtime.h: set it to a CUDA toolkit's folder, unset "
-            "it, or set GRADSYNC_CUDA=0 for a CPU build") in result.stderr, result.stderr
+    message = (f"{var}={empty} holds no bin/nvcc and include/cuda_runtime.h: set it to a CUDA toolkit's folder or "
+               "unset it")
+    assert message + ("" if forced else ", or set GRADSYNC_CUDA=0 for a CPU build") + "\n" in result.stderr, result
+
+
+def test_cuda_home_is_read_before_cuda_path_as_torch_reads_them(tmp_path):
+    empty = tmp_path / "not-a-toolkit"
+    empty.mkdir()
+    result = run_setup_version(tmp_path, "torch.version.cuda = '13.0'", CUDA_HOME=str(empty),
+                               CUDA_PATH="/usr/local/cuda", GRADSYNC_CUDA="")
+    assert result.returncode != 0 and f"CUDA_HOME={empty} holds no" in result.stderr, result
+
+
+def test_a_bad_gradsync_cuda_is_named_before_the_toolkit_is_looked_for(tmp_path):
+    result = run_setup_version(tmp_path, "torch.version.cuda = '13.0'", CUDA_HOME=str(tmp_path), GRADSYNC_CUDA="off")
+    assert result.returncode != 0 and "GRADSYNC_CUDA must be 0 or 1, got 'off'" in result.stderr, result
 
 
 def test_a_cuda_home_that_holds_no_toolkit_is_no_matter_beside_a_cpu_torch(tmp_path):
-    result = run_setup_version(tmp_path, "torch.version.cuda = None", CUDA_HOME=str(tmp_path), GRADSYNC_CUDA="")
+    result = run_setup_version(tmp_path, "torch.version.cuda = None", CUDA_HOME=str(tmp_path), CUDA_PATH="",
+                               GRADSYNC_CUDA="")
     assert result.returncode == 0 and "+cu" not in result.stdout, result
+    assert f"CUDA_HOME={tmp_path} holds no bin/nvcc and include/cuda_runtime.h, so no CUDA toolkit is used" in \
+        result.stderr, result
 
 
 def test_the_library_carries_no_debug_info():
