@@ -957,8 +957,12 @@ def _stop_engines():
         group = None  # the engines' references are then the last, unless the caller holds one
         if released:
             _C._release_engines(released)
-        if _exiting:  # these, and those begun before (by shutdown(), or a call that found its group destroyed)
-            _C._wait_for_releases(EXIT_RELEASE_S)
+        # these, and those begun before (by shutdown(), or a call that found its group destroyed)
+        if _exiting and not _C._wait_for_releases(EXIT_RELEASE_S):
+            warnings.warn(f"gradsync: the teardown of a process group that torch.distributed destroyed still waits "
+                          f"after {EXIT_RELEASE_S:g} s (a torch call still pending on it?); the process exits without "
+                          "it, and can abort if that ends during the interpreter's finalization. Wait for your "
+                          "calls before destroy_process_group()", RuntimeWarning, stacklevel=1)
 
 
 def _settle_stopped(group, engine, why=None):
