@@ -1018,7 +1018,8 @@ def _shutdown_at_exit():
     those peers at once (their connections close), while waiting would hold the exit until the
     group's timeout. Their calls end now, raising, and their groups are kept to the process's end
     (a gloo group torn down with its peers waiting can block). A group with gradsync's NCCL
-    communicator is waited for, as before."""
+    communicator is waited for, as before. A KeyboardInterrupt during shutdown() ends the calls of
+    the groups it had not reached in the same way (NCCL's excepted), and goes on."""
     global _exiting
     _exiting = True
     with _locked():
@@ -1028,16 +1029,33 @@ def _shutdown_at_exit():
         for group in aborting:
             _stopping[group] = _engines.pop(group)
         _unanswered.clear()
-    for group in aborting:
+    _abandon_calls(aborting)
+    try:
+        shutdown()
+    except KeyboardInterrupt:
+        # a Ctrl-C as the process exits: the calls of the groups shutdown() had not reached end now,
+        # raising, rather than run on into the interpreter's finalization (where a callback aborts it)
+        with _locked():
+            rest = [g for g, engine in _engines.items() if engine.nccl_device < 0]
+            for group in rest:
+                _stopping[group] = _engines.pop(group)
+                _to_stop.pop(group, None)
+        _abandon_calls(rest)
+        raise
+
+
+def _abandon_calls(groups):
+    """At exit: the calls of these groups (their engines moved to ``_stopping``) end now, raising,
+    and the groups are kept to the process's end."""
+    for group in groups:
         engine = _stopping[group]
         try:
             engine.abort_calls()
             engine.abandon_group()
-        except Exception:  # noqa: BLE001 - shutdown() below must run whatever this group did
+        except Exception:  # noqa: BLE001 - the other groups, and shutdown(), must run whatever this group did
             pass
         finally:
             _settle_stopped(group, engine, "gradsync: the group's calls were abandoned as the process exits")
-    shutdown()
 
 
 atexit.register(_shutdown_at_exit)

@@ -1319,6 +1319,56 @@ def test_the_exit_waits_a_bounded_time_for_a_destroyed_groups_teardown(tmp_path)
     assert "RuntimeWarning" not in ranks[1][2], ranks[1]
 
 
+INTERRUPTED_AS_IT_EXITS = """
+import datetime, fcntl, os, signal, sys, time
+rank = int(sys.argv[1])
+alive = os.open("rank0-alive", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # see the test above
+if rank == 0:
+    fcntl.flock(alive, fcntl.LOCK_EX)
+import torch, torch.distributed as dist, gradsync
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+first, second = dist.group.WORLD, dist.new_group([0, 1])
+if rank == 1:
+    time.sleep(3)  # rank 0's exit waits for this call, and is interrupted meanwhile
+    gradsync.all_reduce(torch.ones(4), group=first)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # alive, but never making rank 0's call on the second group
+        try:
+            fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.1)
+    sys.exit(0)
+gradsync.all_reduce(torch.ones(4), group=first, async_op=True)
+def ended(future):
+    try:
+        future.value()
+    except RuntimeError as e:
+        print("the second group's call raised:", str(e).splitlines()[0], flush=True)
+gradsync.all_reduce(torch.ones(4), group=second, async_op=True).get_future().then(ended)
+def interrupt(*_):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, interrupt)
+signal.alarm(1)  # during the exit's shutdown(), as it waits for the first group's call
+"""
+
+
+def test_a_keyboard_interrupt_as_the_process_exits_ends_the_calls_shutdown_had_not_reached(tmp_path):
+    # they ran on into the interpreter's finalization, where their callbacks could not run (or
+    # aborted the process)
+    start = time.monotonic()
+    ranks = run_processes([[sys.executable, "-c", INTERRUPTED_AS_IT_EXITS, str(rank)] for rank in range(2)],
+                          tmp_path)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks  # an exception in an exit handler is printed
+    assert "KeyboardInterrupt" in ranks[0][2], ranks[0]
+    said = ranks[0][1]
+    assert "the second group's call raised" in said, ranks[0]
+    assert "the group's calls were abandoned as the process exits" in said, ranks[0]
+    assert time.monotonic() - start < 50, ranks  # not the group's timeout
+
+
 def group_made_in_python(rank, size):
     """A process group made in Python, as fault-tolerance libraries wrap one: its works' wait()
     returns None, which is no abort. It registers no backend."""
