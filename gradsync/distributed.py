@@ -928,13 +928,14 @@ def shutdown():
 
 def _stop_engines():
     released = []  # at exit: the engines of groups torch.distributed destroyed, released together below
+    finished = True
     try:
         while True:  # in the order they were made: a call's callbacks may issue calls on groups made after it
             with _locked():
                 group = next((g for g in _engines if g in _to_stop), None)
                 if group is None:
                     _to_stop.clear()  # what is left lost its engine otherwise (a group torch.distributed destroyed)
-                    return
+                    break
                 del _to_stop[group]
                 engine = _stopping[group] = _engines.pop(group)
             try:
@@ -958,11 +959,13 @@ def _stop_engines():
         if released:
             _C._release_engines(released)
         # these, and those begun before (by shutdown(), or a call that found its group destroyed)
-        if _exiting and not _C._wait_for_releases(EXIT_RELEASE_S):
-            warnings.warn(f"gradsync: the teardown of a process group that torch.distributed destroyed still waits "
-                          f"after {EXIT_RELEASE_S:g} s (a torch call still pending on it?); the process exits without "
-                          "it, and can abort if that ends during the interpreter's finalization. Wait for your "
-                          "calls before destroy_process_group()", RuntimeWarning, stacklevel=1)
+        if _exiting:
+            finished = _C._wait_for_releases(EXIT_RELEASE_S)
+    if not finished:  # not in the finally: raised as an error (-W error), it would replace an exception in flight
+        warnings.warn(f"gradsync: the teardown of a process group it let go of (one torch.distributed destroyed, or "
+                      f"one made by hand) still waits after {EXIT_RELEASE_S:g} s (a torch call still pending on it?); "
+                      "the process exits without it, and can abort if that ends during the interpreter's "
+                      "finalization. Wait for your calls before destroy_process_group()", RuntimeWarning, stacklevel=1)
 
 
 def _settle_stopped(group, engine, why=None):
@@ -1018,35 +1021,42 @@ def _shutdown_at_exit():
     those peers at once (their connections close), while waiting would hold the exit until the
     group's timeout. Their calls end now, raising, and their groups are kept to the process's end
     (a gloo group torn down with its peers waiting can block). A group with gradsync's NCCL
-    communicator is waited for, as before. A KeyboardInterrupt during shutdown() ends the calls of
-    the groups it had not reached in the same way (NCCL's excepted), and goes on."""
+    communicator is waited for, as before. An exception meanwhile (a KeyboardInterrupt, which
+    arrives once the call being waited for has ended) ends the calls of every group not yet stopped
+    in the same way, rather than leave them to run into the interpreter's finalization, and goes on."""
     global _exiting
     _exiting = True
-    with _locked():
-        waiting = [g for g, works in _unanswered.items() if not all(w.is_completed() for w in works)]
-        # as shutdown() stops them: a callback's call on the group goes to the aborted engine, and fails
-        aborting = [g for g in waiting if g in _engines and _engines[g].nccl_device < 0]
-        for group in aborting:
-            _stopping[group] = _engines.pop(group)
-        _unanswered.clear()
-    _abandon_calls(aborting)
     try:
-        shutdown()
-    except KeyboardInterrupt:
-        # a Ctrl-C as the process exits: the calls of the groups shutdown() had not reached end now,
-        # raising, rather than run on into the interpreter's finalization (where a callback aborts it)
         with _locked():
-            rest = [g for g, engine in _engines.items() if engine.nccl_device < 0]
-            for group in rest:
+            waiting = [g for g, works in _unanswered.items() if not all(w.is_completed() for w in works)]
+            # as shutdown() stops them: a callback's call on the group goes to the aborted engine, and fails
+            aborting = [g for g in waiting if g in _engines and _engines[g].nccl_device < 0]
+            for group in aborting:
                 _stopping[group] = _engines.pop(group)
-                _to_stop.pop(group, None)
-        _abandon_calls(rest)
+            _unanswered.clear()
+        _abandon_calls(aborting)
+        shutdown()
+    except BaseException:
+        while True:  # the callbacks of the calls ended here may issue calls on groups that had no engine
+            with _locked():
+                rest = list(_engines)
+                for group in rest:
+                    _stopping[group] = _engines.pop(group)
+                    _to_stop.pop(group, None)
+            if not rest:
+                break
+            try:
+                _abandon_calls(rest)
+            except BaseException:  # noqa: BLE001 - a second interrupt: the first is raised below
+                pass
         raise
 
 
 def _abandon_calls(groups):
     """At exit: the calls of these groups (their engines moved to ``_stopping``) end now, raising,
-    and the groups are kept to the process's end."""
+    and the groups are kept to the process's end. An exception meanwhile (a second
+    KeyboardInterrupt) is raised once every group's calls have ended."""
+    interrupted = None
     for group in groups:
         engine = _stopping[group]
         try:
@@ -1054,8 +1064,12 @@ def _abandon_calls(groups):
             engine.abandon_group()
         except Exception:  # noqa: BLE001 - the other groups, and shutdown(), must run whatever this group did
             pass
+        except BaseException as e:  # noqa: BLE001 - raised below, once the others are done
+            interrupted = interrupted or e
         finally:
             _settle_stopped(group, engine, "gradsync: the group's calls were abandoned as the process exits")
+    if interrupted is not None:
+        raise interrupted
 
 
 atexit.register(_shutdown_at_exit)
