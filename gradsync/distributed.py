@@ -43,8 +43,9 @@ order in fp32. That is one hop of latency instead of the ring's 2(n-1), for (n-1
 of 2(n-1)/n, a trade that pays while a payload crosses the link faster than a few hops' latency."""
 
 EXIT_RELEASE_S = 5.0
-"""How long the exit waits, in all, for the teardown of the groups that torch.distributed destroyed
-before :func:`shutdown` ran (a healthy gloo group's takes milliseconds)."""
+"""How long the exit waits, in all, for the teardowns of the groups gradsync let go of (those
+torch.distributed destroyed before :func:`shutdown` ran, and groups made by hand): a healthy gloo
+group's takes milliseconds."""
 
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
@@ -1026,6 +1027,7 @@ def _shutdown_at_exit():
     in the same way, rather than leave them to run into the interpreter's finalization, and goes on."""
     global _exiting
     _exiting = True
+    aborting = []
     try:
         with _locked():
             waiting = [g for g, works in _unanswered.items() if not all(w.is_completed() for w in works)]
@@ -1037,12 +1039,14 @@ def _shutdown_at_exit():
         _abandon_calls(aborting)
         shutdown()
     except BaseException:
-        while True:  # the callbacks of the calls ended here may issue calls on groups that had no engine
+        moved = list(aborting)
+        for _ in range(8):  # the callbacks of the calls ended here may issue calls on groups that had no engine
             with _locked():
-                rest = list(_engines)
-                for group in rest:
+                for group in list(_engines):
                     _stopping[group] = _engines.pop(group)
                     _to_stop.pop(group, None)
+                    moved.append(group)
+                rest = [g for g in moved if g in _stopping]  # those an interrupt left unsettled included
             if not rest:
                 break
             try:
@@ -1060,8 +1064,8 @@ def _abandon_calls(groups):
     for group in groups:
         engine = _stopping[group]
         try:
+            engine.abandon_group()  # first: an interrupt that ends abort_calls() must not skip it
             engine.abort_calls()
-            engine.abandon_group()
         except Exception:  # noqa: BLE001 - the other groups, and shutdown(), must run whatever this group did
             pass
         except BaseException as e:  # noqa: BLE001 - raised below, once the others are done
