@@ -1264,14 +1264,27 @@ def test_a_group_destroyed_without_shutdown_is_torn_down_before_the_interpreter_
     assert not any("RuntimeWarning" in err for _, _, err in ranks), ranks  # its teardown ended in time
 
 
-LEAVES_A_TORCH_CALL_PENDING_ON_A_DESTROYED_GROUP = """
-import atexit, datetime, fcntl, os, sys, time
+RANK_0_LOCKS_UNTIL_ITS_END = """
+import fcntl, os, sys, time
 rank = int(sys.argv[1])
 # rank 0 holds the lock until its process has ended, its finalization too: a raw descriptor, which
 # Python never closes (a file object's closes as the interpreter clears its modules)
 alive = os.open("rank0-alive", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 if rank == 0:
     fcntl.flock(alive, fcntl.LOCK_EX)
+def rank_0_ended(within_s=60):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.1)
+    return False
+"""
+
+LEAVES_A_TORCH_CALL_PENDING_ON_A_DESTROYED_GROUP = RANK_0_LOCKS_UNTIL_ITS_END + """
+import atexit, datetime
 exiting = None
 def ended():  # registered before gradsync's exit handler, so it runs after it
     if exiting is not None:
@@ -1285,14 +1298,8 @@ subs = [dist.new_group([0, 1]) for _ in range(3)]
 for sub in subs:
     gradsync.all_reduce(torch.ones(10), group=sub)
 if rank == 1:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # alive, but never making rank 0's calls below
-        try:
-            fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            print("left once rank 0 had ended", flush=True)
-            break
-        except BlockingIOError:
-            time.sleep(0.1)
+    if rank_0_ended():  # alive till then, but never making rank 0's calls below
+        print("left once rank 0 had ended", flush=True)
     sys.exit(0)
 works = [dist.all_reduce(torch.ones(10), group=sub, async_op=True) for sub in subs]  # torch's own, waiting
 for sub in subs:
@@ -1320,12 +1327,8 @@ def test_the_exit_waits_a_bounded_time_for_a_destroyed_groups_teardown(tmp_path)
     assert "RuntimeWarning" not in ranks[1][2], ranks[1]
 
 
-INTERRUPTED_AS_IT_EXITS = """
-import datetime, fcntl, os, signal, sys, time
-rank = int(sys.argv[1])
-alive = os.open("rank0-alive", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # see the test above
-if rank == 0:
-    fcntl.flock(alive, fcntl.LOCK_EX)
+INTERRUPTED_AS_IT_EXITS = RANK_0_LOCKS_UNTIL_ITS_END + """
+import datetime, signal
 import torch, torch.distributed as dist, gradsync
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=rank, world_size=2,
@@ -1335,13 +1338,7 @@ gradsync.all_reduce(torch.ones(4), group=destroyed)
 if rank == 1:
     time.sleep(3)  # rank 0's exit waits for this call, and is interrupted meanwhile
     gradsync.all_reduce(torch.ones(4), group=first)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # alive, but never making rank 0's call on the second group
-        try:
-            fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            time.sleep(0.1)
+    rank_0_ended()  # alive till then, but never making rank 0's call on the second group
     sys.exit(0)
 gradsync.all_reduce(torch.ones(4), group=first, async_op=True)
 def ended(future):
